@@ -1,0 +1,51 @@
+"""The only module that touches Transformers internals (cache layout, output classes).
+
+Checked against transformers 5.x: `DynamicCache(config=...)` builds one layer per decoder layer,
+`Cache.crop(-n)` drops the last n slots of every row, `Cache.batch_select_indices` keeps rows.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+_MAJOR = int(transformers.__version__.split(".")[0])
+if _MAJOR != 5:  # pragma: no cover - guarded at import so a mismatch fails loudly, not subtly
+    raise ImportError(f"hf_specdec needs transformers 5.x, found {transformers.__version__}")
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    """An empty dynamic KV cache for `model`; refuses layer types that cannot hold masked slots."""
+    cache = DynamicCache(config=model.config)
+    if any(cache.is_sliding) or any(getattr(cache, "is_linear", [])):
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window or linear attention layers; hf_specdec rolls "
+            "back rejected tokens by masking cache slots, which those layers cannot do"
+        )
+    return cache
+
+
+def crop(cache: DynamicCache, num_slots: int) -> None:
+    """Drop the last `num_slots` slots of every row."""
+    if num_slots > 0:
+        cache.crop(-num_slots)
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep only `rows` (a 1-D index tensor) in the batch dimension."""
+    cache.batch_select_indices(rows)
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the speculation statistics of the call."""
+
+    spec_stats: object | None = None

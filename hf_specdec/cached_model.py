@@ -1,0 +1,96 @@
+"""A Transformers causal LM with its own KV cache over a `SequenceBatch`.
+
+Rows of one batch advance by different amounts, but a KV cache is a rectangle. So each row's
+cache is a sequence of *slots*: `slot_mask[b, s]` says whether slot s holds one of row b's tokens
+or is a hole (left padding, a rejected draft token, catch-up alignment). Holes get attention mask
+0 and positions come from counting real slots, which gives exactly the logits of the sequence
+without the holes (RoPE and learned absolute positions alike). Rolling back row b = turning its
+last slots into holes; slots that are holes in every row are cropped off the end.
+
+`fed[b]` is how many of row b's buffer tokens are in the cache; `lengths[b] - fed[b]` is the lag
+that a catch-up forward feeds before anything new (after speculation was off, or another drafter
+was used, the lag is long; in steady state it is the 1-2 tokens of the last step).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _compat
+from .sequences import SequenceBatch
+
+
+class CachedModel:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self._logits_to_keep = _compat.accepts_logits_to_keep(model)
+        self.cache = None
+
+    def reset(self, batch: SequenceBatch) -> None:
+        n = len(batch.active)
+        self.cache = _compat.new_cache(self.model)
+        self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
+        self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
+        self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_mask.shape[1]
+
+    def lag(self, batch: SequenceBatch) -> torch.Tensor:
+        return batch.lengths[batch.active] - self.fed
+
+    def pending(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens each row has not fed yet, right-aligned with holes on the left, and mark them fed.
+
+        Returns (tokens [n, width], real [n, width]); width = the largest lag (>= 1 for every row).
+        """
+        rows = batch.active
+        lag = self.lag(batch)
+        width = int(lag.max())
+        offsets = torch.arange(width, device=lag.device) - width                  # [width]
+        index = batch.lengths[rows, None] + offsets                              # [n, width]
+        real = (offsets >= -lag[:, None]) & batch.is_real(rows, index.clamp(min=0))
+        tokens = batch.tokens[rows[:, None], index.clamp(min=0)]
+        self.fed = batch.lengths[rows].clone()
+        return tokens, real
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
+        """Append `tokens` [n, w] (holes where `real` is False); logits of the last `keep` slots.
+
+        Returns float32 logits [n, keep, vocab] on the device of `tokens`.
+        """
+        out_device = tokens.device
+        tokens, real = tokens.to(self.device), real.to(self.device)
+        positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
+        self.slot_mask = torch.cat([self.slot_mask, real], dim=1)
+        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        out = self.model(input_ids=tokens, attention_mask=self.slot_mask.long(), position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, **kwargs)
+        self.num_real += real.sum(1)
+        return out.logits[:, -keep:].to(device=out_device, dtype=torch.float32)
+
+    def rollback(self, spec_start: int, keep: torch.Tensor) -> None:
+        """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]`.
+
+        The kept tokens are the accepted drafts (already written to the buffer): they count as fed.
+        """
+        keep = keep.to(self.device)
+        slot = torch.arange(self.num_slots - spec_start, device=self.device)
+        spec = self.slot_mask[:, spec_start:]
+        drop = spec & (slot[None, :] >= keep[:, None])
+        self.num_real -= drop.sum(1)
+        self.slot_mask[:, spec_start:] = spec & ~drop
+        self.fed += keep.to(self.fed.device)
+        # slots that are holes in every row at the end cost attention for nothing: crop them
+        used = self.slot_mask.any(0).nonzero()
+        last_used = int(used[-1]) + 1 if len(used) else 0
+        _compat.crop(self.cache, self.num_slots - last_used)
+        self.slot_mask = self.slot_mask[:, :last_used]
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
+        _compat.select_rows(self.cache, keep.to(self.device))
+        self.slot_mask = self.slot_mask[keep.to(self.device)]
+        self.num_real = self.num_real[keep.to(self.device)]
+        self.fed = self.fed[keep]

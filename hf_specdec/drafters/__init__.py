@@ -1,0 +1,27 @@
+"""Drafters: anything that proposes draft tokens for the target to verify."""
+from __future__ import annotations
+
+import torch
+
+from .base import Drafter, Proposal
+from .model import ModelDrafter, output_vocab_size
+from .ngram import PromptLookupDrafter
+from .self_draft import self_draft
+
+__all__ = ["Drafter", "Proposal", "ModelDrafter", "PromptLookupDrafter", "self_draft", "as_drafter",
+           "output_vocab_size"]
+
+
+def as_drafter(obj, index: int = 0) -> Drafter:
+    """A drafter object as is; a Transformers causal LM wrapped in a `ModelDrafter`."""
+    if isinstance(obj, Drafter):
+        return obj
+    is_causal_lm = (isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
+                    and callable(getattr(obj, "get_output_embeddings", None))
+                    and obj.get_output_embeddings() is not None)
+    if not is_causal_lm:
+        raise TypeError(f"assistant_models[{index}] must be a Transformers causal LM or an "
+                        f"hf_specdec Drafter, got {type(obj).__name__}")
+    if obj.config.is_encoder_decoder:
+        raise TypeError(f"assistant_models[{index}] is an encoder-decoder model; drafters must be decoder-only")
+    return ModelDrafter(obj)

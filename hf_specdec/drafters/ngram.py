@@ -1,0 +1,43 @@
+"""Prompt lookup: propose what followed the last earlier occurrence of the current suffix."""
+from __future__ import annotations
+
+import torch
+
+from ..sequences import SequenceBatch
+from .base import Drafter, Proposal
+
+
+class PromptLookupDrafter(Drafter):
+    """Model-free n-gram drafter over each row's own prompt and output so far.
+
+    For n from `max_ngram` down to `min_ngram`, find the most recent earlier occurrence of the
+    row's last n tokens and propose the (up to k) tokens that followed it. Rows without a match
+    propose nothing this step. Proposals are point masses (q = None in `verify`).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not (isinstance(max_ngram, int) and isinstance(min_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need integers 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "
+                             f"max_ngram={max_ngram!r}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = f"prompt_lookup({min_ngram}-{max_ngram})"
+
+    def propose(self, batch: SequenceBatch, k: int) -> Proposal:
+        rows = batch.active
+        tokens = torch.zeros(len(rows), k, dtype=torch.long, device=batch.tokens.device)
+        lengths = torch.zeros(len(rows), dtype=torch.long, device=batch.tokens.device)
+        starts, ends = batch.real_start(rows).tolist(), batch.lengths[rows].tolist()
+        for i, (row, start, end) in enumerate(zip(rows.tolist(), starts, ends)):
+            continuation = self._lookup(batch.tokens[row, start:end], k)
+            tokens[i, : len(continuation)] = continuation
+            lengths[i] = len(continuation)
+        return Proposal(tokens, lengths, None)
+
+    def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            windows = seq[:-1].unfold(0, n, 1)                       # earlier n-grams [m, n]
+            hits = (windows == seq[-n:]).all(1).nonzero().squeeze(1)
+            if len(hits):
+                follow = int(hits[-1]) + n
+                return seq[follow: follow + k]
+        return seq[:0]

@@ -1,0 +1,28 @@
+"""Drafters derived from the target itself: a reduced-precision or int8-quantised copy."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from .model import ModelDrafter
+
+KINDS = ("bf16", "fp16", "int8")
+
+
+def self_draft(model: torch.nn.Module, kind: str = "bf16") -> ModelDrafter:
+    """A `ModelDrafter` over a copy of `model`: "bf16"/"fp16" cast, or "int8" dynamic quantisation
+    of every `nn.Linear` (CPU only). The target is left untouched."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    draft = copy.deepcopy(model).eval()
+    if kind == "int8":
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("kind='int8' uses torch dynamic quantisation, which runs on CPU only")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch deprecates the quantized-tensor API, not this use
+            draft = torch.ao.quantization.quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
+    else:
+        draft = draft.to(torch.bfloat16 if kind == "bf16" else torch.float16)
+    return ModelDrafter(draft, name=f"self-{kind}")

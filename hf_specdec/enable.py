@@ -1,0 +1,74 @@
+"""`enable(model)`: route `model.generate(..., assistant_models=..., spec_policy=...)` to hf_specdec.
+
+Calls without those kwargs go to the original `generate` untouched. Transformers does not hand
+`streamer`, `tokenizer` or `stop_strings` to a `custom_generate` callable, so the wrapper
+translates them (streamer -> spec_streamer, stop strings -> a StopStringCriteria).
+"""
+from __future__ import annotations
+
+import functools
+
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .generate import generate as spec_generate
+
+_SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator")
+_ATTR = "_hf_specdec_original_generate"
+
+
+def enable(model):
+    """Make `model.generate` accept `assistant_models=` / `spec_policy=`. Returns `model`."""
+    if hasattr(model, _ATTR):
+        return model
+    # an instance-level generate (e.g. from a custom_generate repo) is kept and restored by disable
+    setattr(model, _ATTR, model.__dict__.get("generate"))
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if not any(name in kwargs for name in _SPEC_KWARGS):
+            return original(*args, **kwargs)
+        _check_padding(model, args, kwargs)
+        if kwargs.get("streamer") is not None:
+            kwargs["spec_streamer"] = kwargs.pop("streamer")
+        stop_strings = kwargs.pop("stop_strings", None)
+        tokenizer = kwargs.pop("tokenizer", None)
+        if stop_strings is not None:
+            if tokenizer is None:
+                raise ValueError("stop_strings needs tokenizer= as well, as in plain generate()")
+            criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+            criteria.append(StopStringCriteria(tokenizer, stop_strings))
+            kwargs["stopping_criteria"] = criteria
+        kwargs["custom_generate"] = spec_generate
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    return model
+
+
+def disable(model):
+    """Undo `enable`: `model.generate` is the original again. Returns `model`."""
+    if not hasattr(model, _ATTR):
+        return model
+    previous = getattr(model, _ATTR)
+    delattr(model, _ATTR)
+    if previous is None:
+        del model.generate
+    else:
+        model.generate = previous
+    return model
+
+
+def _check_padding(model, args, kwargs) -> None:
+    """Padded batches need an explicit attention mask (generate() would guess one from pad ids)."""
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if input_ids is None or getattr(input_ids, "ndim", 0) != 2 or input_ids.shape[0] < 2:
+        return
+    if kwargs.get("attention_mask") is not None:
+        return
+    config = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    if pad is not None and bool((input_ids == pad).any()):
+        raise ValueError("input_ids contain padding (pad_token_id) but no attention_mask was given; pass the "
+                         "tokenizer's attention_mask with padded batches")

@@ -1,0 +1,221 @@
+"""The decoding loop: a `custom_generate` callable for Transformers' `generate()` (batch >= 1).
+
+One step, for the rows still decoding:
+  policy chooses (drafter, k) -> drafter proposes (tokens, q) -> one target forward over each
+  row's pending token + drafts -> `verify` -> every row appends its own accepted tokens + 1 ->
+  target and drafter caches roll back per row -> stopping criteria cut rows where plain
+  `generate()` would -> policy observes the outcome.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from . import _compat
+from . import verify as verify_module
+from .cached_model import CachedModel
+from .drafters import Drafter, as_drafter, output_vocab_size
+from .policies import SpecPolicy, StepContext, resolve_policy
+from .sampling import TokenSampler
+from .sequences import SequenceBatch
+from .stats import SpecStats, StepRecord
+
+logger = logging.getLogger(__name__)
+
+_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+
+
+def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None = None,
+             stopping_criteria: StoppingCriteriaList | None = None,
+             generation_config: GenerationConfig | None = None, synced_gpus: bool = False,
+             streamer=None, assistant_models=None, spec_policy=None,
+             spec_generator: torch.Generator | None = None, spec_streamer=None, **model_kwargs):
+    """Speculative decoding as `model.generate(custom_generate=hf_specdec.generate, ...)`.
+
+    assistant_models: list of Transformers causal LMs (same vocabulary as `model`) or Drafters.
+    spec_policy: SpecPolicy / LengthPolicy / "fixed[:k]" / None (FixedLength(4), first drafter).
+    spec_generator: torch.Generator for every random draw (default: torch's global RNG).
+    spec_streamer: a streamer (Transformers does not forward `streamer` to custom callables;
+        `hf_specdec.enable` maps `streamer=` here for you).
+    Returns generate()'s output; `return_dict_in_generate=True` adds `.spec_stats`.
+    """
+    generation_config = generation_config or model.generation_config
+    drafters = _check_drafters(model, assistant_models)
+    policy = resolve_policy(spec_policy)
+    _check_call(model, input_ids, generation_config, model_kwargs)
+    if spec_streamer is not None:
+        spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
+
+    stopping_criteria = stopping_criteria or StoppingCriteriaList()
+    # generate() pads finished rows only when an EOS criterion exists; otherwise rows that a
+    # criterion stopped keep producing real tokens until every row has stopped.
+    freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    pad = generation_config._pad_token_tensor
+    batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
+                          slack=8, pad_token_id=int(pad) if pad is not None else 0)
+    sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)
+    target = CachedModel(model)
+    target.reset(batch)
+    for drafter in drafters:
+        drafter.begin(batch, sampler)
+
+    loop = _Loop(batch, target, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
+    stats = loop.run()
+    sequences = batch.output()
+    if generation_config.return_dict_in_generate:
+        return _compat.SpecGenerateOutput(sequences=sequences, spec_stats=stats)
+    return sequences
+
+
+class _Loop:
+    def __init__(self, batch: SequenceBatch, target: CachedModel, drafters: list[Drafter],
+                 policy: SpecPolicy, sampler: TokenSampler, stopping_criteria, freeze_finished, streamer):
+        self.batch, self.target, self.drafters, self.policy = batch, target, drafters, policy
+        self.sampler, self.stopping_criteria = sampler, stopping_criteria
+        self.freeze_finished, self.streamer = freeze_finished, streamer
+        n = len(batch.active)
+        self.limit = torch.full((n,), batch.max_length, dtype=torch.long, device=batch.tokens.device)
+        self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
+        self.streamed = batch.prompt_len
+        self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    def run(self) -> SpecStats:
+        stats = SpecStats()
+        while len(self.batch.active):
+            record = self.step(len(stats.steps))
+            stats.steps.append(record)
+            self.policy.observe(record)
+            self.stream(final=False)
+        self.stream(final=True)
+        return stats
+
+    def step(self, index: int) -> StepRecord:
+        batch, rows = self.batch, self.batch.active
+        decision = self.policy.choose(StepContext(index, len(rows), len(self.drafters)))
+        start = batch.lengths[rows].clone()                               # [n]
+        room = self.limit[rows] - start - 1                               # drafts that fit
+        k = max(0, min(decision.length, int(room.max())))
+        batch.reserve(k + 1)
+
+        t0 = time.perf_counter()
+        drafter = self.drafters[decision.drafter] if k else None
+        if drafter is not None:
+            proposal = drafter.propose(batch, k)
+            draft_tokens, draft_probs = proposal.tokens, proposal.probs
+            draft_lens = torch.minimum(proposal.lengths, room)
+            batch.write(rows, start, draft_tokens)
+        else:
+            draft_tokens = torch.zeros(len(rows), 0, dtype=torch.long, device=start.device)
+            draft_probs, draft_lens = None, torch.zeros_like(start)
+        self._sync()
+
+        t1 = time.perf_counter()
+        pending, real = self.target.pending(batch)
+        spec_start = self.target.num_slots + pending.shape[1]
+        draft_real = torch.arange(k, device=start.device)[None, :] < draft_lens[:, None]
+        logits = self.target.forward(torch.cat([pending, draft_tokens], 1), torch.cat([real, draft_real], 1), k + 1)
+        scores = self.sampler.scores(batch, logits)                       # [n, k+1, vocab]
+        result = verify_module.verify(draft_tokens, draft_lens, scores, draft_probs,
+                                      self.sampler.do_sample, self.sampler.generator)
+        self.target.rollback(spec_start, result.num_accepted)
+        if drafter is not None:
+            drafter.accepted(result.num_accepted)
+        self._sync()
+        t2 = time.perf_counter()
+
+        batch.tokens[rows, start + result.num_accepted] = result.next_tokens
+        emitted = self.cut_at_stops(start, result.num_accepted + 1)
+        batch.lengths[rows] = start + emitted
+        record = StepRecord(len(rows), drafter.name if drafter else None, k, draft_lens.tolist(),
+                            result.num_accepted.tolist(), emitted.tolist(), t1 - t0, t2 - t1)
+        self.retire_finished()
+        return record
+
+    def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+        """Check the stopping criteria after each new token, as generate() does per step; returns
+        the number of new tokens each row keeps [n]."""
+        rows = self.batch.active
+        for j in range(1, int(emitted.max()) + 1):
+            todo = ((emitted >= j) & (self.stopped_at[rows] < 0)).nonzero().squeeze(1)
+            for length in torch.unique(start[todo] + j).tolist():
+                group = todo[start[todo] + j == length]
+                hit = self.stopping_criteria(self.batch.tokens[rows[group], :length], None)
+                hit = hit.to(group.device)
+                self.stopped_at[rows[group[hit]]] = length
+        stopped = self.stopped_at[rows]
+        if self.freeze_finished:
+            emitted = torch.where(stopped >= 0, stopped - start, emitted)
+        elif bool((self.stopped_at >= 0).all()):
+            # every row has stopped: all rows end at the latest stop, like generate()'s last step
+            self.limit[:] = int(self.stopped_at.max())
+            emitted = torch.minimum(emitted, self.limit[rows] - start)
+        return emitted
+
+    def retire_finished(self) -> None:
+        batch, rows = self.batch, self.batch.active
+        lengths = batch.lengths[rows]
+        done = lengths >= self.limit[rows]
+        if self.freeze_finished:
+            done |= self.stopped_at[rows] >= 0
+        batch.clear_scratch(rows)
+        if not bool(done.any()):
+            return
+        keep = (~done).nonzero().squeeze(1)
+        batch.active = rows[keep]
+        if len(keep):
+            self.target.select_rows(keep)
+            for drafter in self.drafters:
+                drafter.select_rows(keep)
+
+    def stream(self, final: bool) -> None:
+        """Put completed columns, as generate() does once per step; rows advance unevenly, so a
+        column goes out once every row still decoding has reached it."""
+        if self.streamer is None:
+            return
+        batch = self.batch
+        end = int(batch.lengths.max()) if final or not len(batch.active) else int(batch.lengths[batch.active].min())
+        for column in range(self.streamed, end):
+            self.streamer.put(batch.tokens[:, column].cpu())
+        self.streamed = max(self.streamed, end)
+        if final:
+            self.streamer.end()
+
+
+def _check_drafters(model, assistant_models) -> list[Drafter]:
+    if assistant_models is None:
+        raise ValueError("assistant_models is required: a non-empty list of causal LMs or hf_specdec drafters")
+    if isinstance(assistant_models, (torch.nn.Module, Drafter)):
+        raise TypeError("assistant_models must be a list, e.g. assistant_models=[draft_model]")
+    if not isinstance(assistant_models, (list, tuple)):
+        raise TypeError(f"assistant_models must be a list of causal LMs or drafters, got {type(assistant_models).__name__}")
+    if not assistant_models:
+        raise ValueError("assistant_models is empty: give at least one causal LM or drafter")
+    drafters = [as_drafter(obj, i) for i, obj in enumerate(assistant_models)]
+    target_vocab = output_vocab_size(model)
+    for i, drafter in enumerate(drafters):
+        if drafter.vocab_size is not None and drafter.vocab_size != target_vocab:
+            raise ValueError(f"assistant_models[{i}] has vocabulary size {drafter.vocab_size} but the target has "
+                             f"{target_vocab}; drafters must share the target's vocabulary")
+    return drafters
+
+
+def _check_call(model, input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    if model.config.is_encoder_decoder:
+        raise ValueError("hf_specdec supports decoder-only targets; got an encoder-decoder model "
+                         f"({type(model).__name__})")
+    if generation_config.num_beams > 1:
+        raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
+                         "speculative decoding; use num_beams=1")
+    for flag in _UNSUPPORTED_OUTPUTS:
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"{flag}=True is not supported with speculative decoding yet")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("inputs_embeds is not supported; pass input_ids")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("past_key_values with content is not supported: hf_specdec builds its own caches")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}")

@@ -1,0 +1,21 @@
+"""Drafter selectors."""
+from __future__ import annotations
+
+from .base import DrafterSelector, StepContext
+
+
+class FixedDrafter(DrafterSelector):
+    """Always use drafter `index`."""
+
+    def __init__(self, index: int = 0):
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"FixedDrafter(index): index must be an integer >= 0, got {index!r}")
+        self.index = index
+
+    def choose(self, ctx: StepContext) -> int:
+        if self.index >= ctx.num_drafters:
+            raise ValueError(f"FixedDrafter({self.index}) but only {ctx.num_drafters} assistant_models given")
+        return self.index
+
+    def __repr__(self):
+        return f"FixedDrafter({self.index})"

@@ -1,0 +1,59 @@
+"""Logits -> scores -> tokens, with the same logits processors for drafters and the target.
+
+Processors get, for position j of row b, the row's buffer prefix `tokens[b, :lengths[b] + j]`
+(drafts 1..j are already written there), i.e. exactly the `input_ids` plain `generate()` would
+pass at that step. Processors known not to read `input_ids` run once on all positions at once;
+the rest run per position, on groups of rows whose prefixes have equal length.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation import logits_process as lp
+
+from .sequences import SequenceBatch
+
+# Processors whose output depends on the scores only (not on input_ids or their length).
+_POSITION_FREE = tuple(getattr(lp, name) for name in (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "InfNanRemoveLogitsProcessor",
+) if hasattr(lp, name))
+
+
+class TokenSampler:
+    """Applies `generate()`'s processors and picks tokens (argmax, or a draw from `generator`)."""
+
+    def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool,
+                 generator: torch.Generator | None = None):
+        self.processors = logits_processor or LogitsProcessorList()
+        self.do_sample = do_sample
+        self.generator = generator
+        self._position_free = all(isinstance(p, _POSITION_FREE) for p in self.processors)
+
+    def scores(self, batch: SequenceBatch, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Processed scores for `logits` [n, m, vocab] of the active rows, whose position j
+        follows the prefix of length `lengths + offset + j`. Returns [n, m, vocab] float32."""
+        if not self.processors:
+            return logits
+        n, m, vocab = logits.shape
+        rows = batch.active
+        if self._position_free:
+            dummy = batch.tokens[rows][:, :1].repeat_interleave(m, 0)
+            return self.processors(dummy, logits.reshape(n * m, vocab)).view(n, m, vocab)
+        out = torch.empty_like(logits)
+        prefix_lengths = batch.lengths[rows] + offset
+        for j in range(m):
+            for length in torch.unique(prefix_lengths + j).tolist():
+                group = (prefix_lengths + j == length).nonzero().squeeze(1)
+                input_ids = batch.tokens[rows[group], :length]
+                out[group, j] = self.processors(input_ids, logits[group, j].clone())
+        return out
+
+    def probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(scores, dim=-1)
+
+    def pick(self, scores: torch.Tensor) -> torch.Tensor:
+        """One token per row from scores [n, vocab] -> [n]."""
+        if not self.do_sample:
+            return scores.argmax(-1)
+        return torch.multinomial(self.probs(scores), 1, generator=self.generator).squeeze(1)

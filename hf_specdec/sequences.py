@@ -1,0 +1,62 @@
+"""The token buffer every model reads from, in `generate()`'s own layout.
+
+Row b holds `tokens[b, :lengths[b]]` = left padding + prompt + accepted tokens, exactly the row
+plain `generate()` would hold. Positions past `lengths[b]` are scratch: drafts are written there
+so logits processors see `prefix + drafts[:j]`, and the verified tokens overwrite them in place.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SequenceBatch:
+    def __init__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
+                 max_length: int, slack: int, pad_token_id: int):
+        batch, prompt_len = input_ids.shape
+        device = input_ids.device
+        self.prompt_len = prompt_len
+        self.max_length = max_length
+        self.pad_token_id = pad_token_id
+        self.tokens = torch.full((batch, max(max_length, prompt_len) + slack), pad_token_id,
+                                 dtype=torch.long, device=device)      # [batch, capacity]
+        self.tokens[:, :prompt_len] = input_ids
+        self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=device)  # [batch]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        self.prompt_mask = attention_mask.bool()                       # [batch, prompt_len]
+        # rows still decoding (indices into the full batch); models hold caches for these only
+        self.active = torch.arange(batch, device=device)               # [n_active]
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    def is_real(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """True where buffer position `index` [n, w] of `rows` holds a token, not left padding."""
+        in_prompt = index < self.prompt_len
+        mask = self.prompt_mask[rows].gather(1, index.clamp(max=self.prompt_len - 1))
+        return ~in_prompt | mask
+
+    def real_start(self, rows: torch.Tensor) -> torch.Tensor:
+        """Index of the first non-padding token of each row in `rows`: [n]."""
+        return self.prompt_len - self.prompt_mask[rows].sum(1)
+
+    def write(self, rows: torch.Tensor, start: torch.Tensor, values: torch.Tensor) -> None:
+        """tokens[rows[i], start[i] + j] = values[i, j] for all j: [n, w]."""
+        index = start[:, None] + torch.arange(values.shape[1], device=values.device)
+        self.tokens[rows[:, None], index] = values
+
+    def reserve(self, width: int) -> None:
+        """Make room for `width` tokens past the longest row (drafts are written as scratch)."""
+        short = int(self.lengths.max()) + width - self.capacity
+        if short > 0:
+            self.tokens = torch.nn.functional.pad(self.tokens, (0, short), value=self.pad_token_id)
+
+    def clear_scratch(self, rows: torch.Tensor) -> None:
+        """Reset everything past each row's end to padding (finished rows then read as generate()'s)."""
+        past_end = torch.arange(self.capacity, device=rows.device)[None, :] >= self.lengths[rows, None]
+        self.tokens[rows] = self.tokens[rows].masked_fill(past_end, self.pad_token_id)
+
+    def output(self) -> torch.LongTensor:
+        """[batch, prompt_len + longest row's new tokens], rows ended early padded as generate() does."""
+        return self.tokens[:, : int(self.lengths.max())].clone()

@@ -1,0 +1,61 @@
+"""Per-step records of a speculative `generate()` call and their summary. Pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One target forward. Lists are per active row, in batch order."""
+
+    batch_size: int            # active rows in this step
+    drafter: str | None        # None: no speculation this step (k = 0)
+    k: int                     # draft length asked of the drafter
+    proposed: list[int]        # drafts actually proposed per row (<= k)
+    accepted: list[int]        # drafts accepted per row
+    emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop)
+    draft_s: float             # wall time drafting
+    verify_s: float            # wall time of the target forward + verification
+
+
+@dataclass
+class SpecStats:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def target_forwards(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tokens_generated(self) -> int:
+        return sum(sum(s.emitted) for s in self.steps)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per row per target forward, bonus token included (1.0 = no gain)."""
+        row_forwards = sum(s.batch_size for s in self.steps)
+        return self.tokens_generated / row_forwards if row_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts."""
+        proposed = sum(sum(s.proposed) for s in self.steps)
+        return sum(sum(s.accepted) for s in self.steps) / proposed if proposed else 0.0
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(s.draft_s for s in self.steps)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(s.verify_s for s in self.steps)
+
+    def summary(self) -> dict:
+        return {
+            "target_forwards": self.target_forwards,
+            "tokens_generated": self.tokens_generated,
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+        }

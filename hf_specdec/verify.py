@@ -1,0 +1,64 @@
+"""The one rejection sampler every speculative path uses (2-model, n-gram, hierarchy).
+
+Notation (Leviathan et al. 2023; Chen et al. 2023): a drafter proposes x_1..x_k with proposal
+distributions q_j; the target gives p_j for j = 1..k+1. Draft x_j is accepted with probability
+min(1, p_j(x_j) / q_j(x_j)); at the first rejection the replacement is drawn from
+norm(max(0, p_j - q_j)); if all k pass, a bonus token is drawn from p_{k+1}. The emitted tokens
+are distributed exactly as the target's. A drafter with no distribution (n-gram lookup) is a
+point mass: q_j = 1 at x_j. Greedy decoding: accept while x_j == argmax p_j.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerifyResult:
+    num_accepted: torch.Tensor  # [n] accepted drafts per row (0..draft_lens)
+    next_tokens: torch.Tensor   # [n] replacement (after a rejection) or bonus token
+
+
+def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: torch.Tensor,
+           draft_probs: torch.Tensor | None, do_sample: bool,
+           generator: torch.Generator | None = None) -> VerifyResult:
+    """Accept a prefix of each row's drafts.
+
+    draft_tokens [n, k]; draft_lens [n] (row b proposes its first draft_lens[b] tokens);
+    target_scores [n, k+1, vocab], processed; draft_probs [n, k, vocab] or None (point mass).
+    """
+    n, k = draft_tokens.shape
+    rows = torch.arange(n, device=draft_tokens.device)
+    proposed = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lens[:, None]  # [n, k]
+
+    if not do_sample:
+        best = target_scores.argmax(-1)                                    # [n, k+1]
+        ok = (draft_tokens == best[:, :k]) & proposed
+        num_accepted = ok.long().cumprod(1).sum(1)
+        return VerifyResult(num_accepted, best[rows, num_accepted])
+
+    target_probs = torch.softmax(target_scores, dim=-1)                    # [n, k+1, vocab]
+    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)   # [n, k]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device)
+    ok = (u * q_draft < p_draft) & proposed
+    num_accepted = ok.long().cumprod(1).sum(1)
+
+    p_next = target_probs[rows, num_accepted]                              # [n, vocab]
+    rejected = num_accepted < draft_lens
+    if k > 0:
+        at = num_accepted.clamp(max=k - 1)
+        if draft_probs is None:
+            q_next = torch.zeros_like(p_next).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
+        else:
+            q_next = draft_probs[rows, at]
+        residual = (p_next - q_next).clamp(min=0)
+        # p == q up to rounding: rejection had probability ~0; fall back to p itself
+        residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p_next)
+        p_next = torch.where(rejected[:, None], residual, p_next)
+    next_tokens = torch.multinomial(p_next, 1, generator=generator).squeeze(1)
+    return VerifyResult(num_accepted, next_tokens)
