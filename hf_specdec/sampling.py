@@ -3,7 +3,7 @@
 Processors get, for position j of row b, the row's buffer prefix `tokens[b, :lengths[b] + j]`
 (drafts 1..j are already written there), i.e. exactly the `input_ids` plain `generate()` would
 pass at that step. Processors known not to read `input_ids` run once on all positions at once;
-the rest run per position, on groups of rows whose prefixes have equal length.
+the rest run per position, once per distinct prefix length.
 """
 from __future__ import annotations
 
@@ -42,11 +42,16 @@ class TokenSampler:
             return self.processors(dummy, logits.reshape(n * m, vocab)).view(n, m, vocab)
         out = torch.empty_like(logits)
         prefix_lengths = batch.lengths[rows] + offset
+        full = logits.new_zeros(batch.tokens.shape[0], vocab)  # all rows: see below
         for j in range(m):
             for length in torch.unique(prefix_lengths + j).tolist():
                 group = (prefix_lengths + j == length).nonzero().squeeze(1)
-                input_ids = batch.tokens[rows[group], :length]
-                out[group, j] = self.processors(input_ids, logits[group, j].clone())
+                # Processors may keep per-row state indexed by the original batch row (e.g. the
+                # prompt length per row), so they always get the full batch in its original
+                # order; rows outside the group carry dummy scores and are ignored.
+                full.zero_()
+                full[rows[group]] = logits[group, j]
+                out[group, j] = self.processors(batch.tokens[:, :length], full.clone())[rows[group]]
         return out
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,10 @@ from .base import Drafter, Proposal
 def output_vocab_size(model: torch.nn.Module) -> int:
     """Number of logits the model emits per position."""
     head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+    if head is None:
+        return model.config.get_text_config().vocab_size
+    # nn.Linear and its dynamically quantised form both say out_features; embeddings-tied heads too
+    return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
 class ModelDrafter(Drafter):

@@ -22,7 +22,9 @@ def self_draft(model: torch.nn.Module, kind: str = "bf16") -> ModelDrafter:
             raise ValueError("kind='int8' uses torch dynamic quantisation, which runs on CPU only")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch deprecates the quantized-tensor API, not this use
-            draft = torch.ao.quantization.quantize_dynamic(draft.float(), {torch.nn.Linear}, dtype=torch.qint8)
+            if next(draft.parameters()).dtype != torch.float32:
+                draft = draft.to(torch.float32)
+            draft = torch.ao.quantization.quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
     else:
         draft = draft.to(torch.bfloat16 if kind == "bf16" else torch.float16)
     return ModelDrafter(draft, name=f"self-{kind}")

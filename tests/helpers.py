@@ -1,0 +1,13 @@
+import hf_specdec
+
+
+def spec(model, drafters, policy="fixed:4", **kwargs):
+    """model.generate through the custom_generate hook (no enable needed)."""
+    return model.generate(custom_generate=hf_specdec.generate, assistant_models=drafters,
+                          spec_policy=policy, **kwargs)
+
+
+def assert_same(a, b):
+    assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    bad = (a != b).any(1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad} differ:\n{a[bad]}\n{b[bad]}"
