@@ -11,6 +11,7 @@ import functools
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .generate import check_spec_args
 from .generate import generate as spec_generate
 
 _SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator")
@@ -29,6 +30,8 @@ def enable(model):
     def generate(*args, **kwargs):
         if not any(name in kwargs for name in _SPEC_KWARGS):
             return original(*args, **kwargs)
+        # fail before generate() prepares anything (for encoder-decoders it would run the encoder)
+        check_spec_args(model, kwargs.get("assistant_models"), kwargs.get("spec_policy"))
         _check_padding(model, args, kwargs)
         if kwargs.get("streamer") is not None:
             kwargs["spec_streamer"] = kwargs.pop("streamer")

@@ -43,9 +43,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     Returns generate()'s output; `return_dict_in_generate=True` adds `.spec_stats`.
     """
     generation_config = generation_config or model.generation_config
-    drafters = _check_drafters(model, assistant_models)
-    policy = resolve_policy(spec_policy)
-    _check_call(model, input_ids, generation_config, model_kwargs)
+    drafters, policy = check_spec_args(model, assistant_models, spec_policy)
+    _check_call(input_ids, generation_config, model_kwargs)
     if spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
 
@@ -141,10 +140,10 @@ class _Loop:
         for j in range(1, int(emitted.max()) + 1):
             todo = ((emitted >= j) & (self.stopped_at[rows] < 0)).nonzero().squeeze(1)
             for length in torch.unique(start[todo] + j).tolist():
-                group = todo[start[todo] + j == length]
-                hit = self.stopping_criteria(self.batch.tokens[rows[group], :length], None)
-                hit = hit.to(group.device)
-                self.stopped_at[rows[group[hit]]] = length
+                group = rows[todo[start[todo] + j == length]]
+                # full batch in original order: criteria may keep per-row state (as processors do)
+                hit = self.stopping_criteria(self.batch.tokens[:, :length], None).to(group.device)[group]
+                self.stopped_at[group[hit]] = length
         stopped = self.stopped_at[rows]
         if self.freeze_finished:
             emitted = torch.where(stopped >= 0, stopped - start, emitted)
@@ -184,6 +183,14 @@ class _Loop:
             self.streamer.end()
 
 
+def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
+    """Validate the target, `assistant_models` and `spec_policy`; (drafters, policy)."""
+    if model.config.is_encoder_decoder:
+        raise ValueError("hf_specdec supports decoder-only targets; got an encoder-decoder model "
+                         f"({type(model).__name__})")
+    return _check_drafters(model, assistant_models), resolve_policy(spec_policy)
+
+
 def _check_drafters(model, assistant_models) -> list[Drafter]:
     if assistant_models is None:
         raise ValueError("assistant_models is required: a non-empty list of causal LMs or hf_specdec drafters")
@@ -202,10 +209,7 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
     return drafters
 
 
-def _check_call(model, input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
-    if model.config.is_encoder_decoder:
-        raise ValueError("hf_specdec supports decoder-only targets; got an encoder-decoder model "
-                         f"({type(model).__name__})")
+def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
     if generation_config.num_beams > 1:
         raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
                          "speculative decoding; use num_beams=1")

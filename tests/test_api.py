@@ -1,0 +1,91 @@
+"""enable/disable, policy shortcuts, stats, and the shared verify() on hand-made inputs."""
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.policies import resolve_policy
+from helpers import assert_same
+from models import build, prompts
+
+
+def test_enable_disable_roundtrip():
+    model = build("gpt2", 2, seed=0)
+    ids, mask = prompts(2, seed=1)
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+    assert hf_specdec.enable(model) is model
+    hf_specdec.enable(model)  # idempotent
+    assert_same(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8), plain)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, assistant_models=[model],
+                         return_dict_in_generate=True)
+    assert_same(out.sequences, plain)
+    assert isinstance(out.spec_stats, hf_specdec.SpecStats)
+    assert out.spec_stats.acceptance_rate == 1.0
+    assert hf_specdec.disable(model) is model
+    assert "generate" not in model.__dict__
+    assert_same(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8), plain)
+    with pytest.raises(ValueError):  # transformers itself refuses the unknown kwarg again
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, assistant_models=[model])
+
+
+def test_output_types_follow_generate():
+    model = build("llama", 2, seed=0)
+    ids, mask = prompts(2, seed=1)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, custom_generate=hf_specdec.generate,
+              assistant_models=[hf_specdec.PromptLookupDrafter()])
+    assert isinstance(model.generate(**kw), torch.Tensor)
+    out = model.generate(return_dict_in_generate=True, **kw)
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+    assert isinstance(out, GenerateDecoderOnlyOutput)
+    s = out.spec_stats
+    assert s.target_forwards == len(s.steps) > 0
+    assert s.tokens_generated == 12
+    assert s.mean_accepted_tokens == pytest.approx(s.tokens_generated / sum(r.batch_size for r in s.steps))
+    assert set(s.summary()) >= {"target_forwards", "tokens_generated", "mean_accepted_tokens", "acceptance_rate"}
+
+
+def test_policy_shortcuts():
+    assert resolve_policy(None).length.k == 4
+    assert resolve_policy("fixed").length.k == 4
+    assert resolve_policy("fixed:7").length.k == 7
+    assert resolve_policy(hf_specdec.FixedLength(2)).length.k == 2
+    p = hf_specdec.SpecPolicy(selector=hf_specdec.FixedDrafter(1), length=hf_specdec.FixedLength(0))
+    assert resolve_policy(p) is p
+
+
+def test_zero_length_policy_is_plain_decoding():
+    model = build("qwen2", 2, seed=0)
+    ids, mask = prompts(3, seed=2)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, custom_generate=hf_specdec.generate,
+                         assistant_models=[model], spec_policy="fixed:0", return_dict_in_generate=True)
+    assert_same(out.sequences, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7))
+    assert all(s.drafter is None and s.k == 0 for s in out.spec_stats.steps)
+
+
+def scores_from(tokens, vocab=5):
+    """Scores [1, len, vocab] whose argmax at position j is tokens[j]."""
+    return torch.nn.functional.one_hot(torch.tensor([tokens]), vocab).float() * 10
+
+
+def test_verify_greedy():
+    drafts = torch.tensor([[1, 2, 3], [1, 4, 3]])
+    scores = torch.cat([scores_from([1, 2, 3, 4]), scores_from([1, 2, 3, 0])])
+    res = hf_specdec.verify(drafts, torch.tensor([3, 3]), scores, None, do_sample=False)
+    assert res.num_accepted.tolist() == [3, 1] and res.next_tokens.tolist() == [4, 2]
+    res = hf_specdec.verify(drafts, torch.tensor([2, 0]), scores, None, do_sample=False)
+    assert res.num_accepted.tolist() == [2, 0] and res.next_tokens.tolist() == [3, 1]
+
+
+def test_verify_sampling_edge_cases():
+    gen = torch.Generator().manual_seed(0)
+    target = torch.log(torch.tensor([[[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]]).clamp(min=1e-30))  # [1, 2, 3]
+    for _ in range(50):
+        # p(draft)=1: point-mass draft always accepted, bonus never token 1
+        res = hf_specdec.verify(torch.tensor([[1]]), torch.tensor([1]), target, None, True, gen)
+        assert res.num_accepted.item() == 1 and res.next_tokens.item() in (0, 2)
+        # p(draft)=0: always rejected, and the replacement is never the rejected token
+        res = hf_specdec.verify(torch.tensor([[0]]), torch.tensor([1]), target, None, True, gen)
+        assert res.num_accepted.item() == 0 and res.next_tokens.item() == 1
+        # q == p: everything accepted
+        q = target[:, :1].softmax(-1)
+        res = hf_specdec.verify(torch.tensor([[1]]), torch.tensor([1]), target, q, True, gen)
+        assert res.num_accepted.item() == 1

@@ -1,0 +1,100 @@
+"""Bad input: a clear ValueError/TypeError before any forward pass, models left as they were."""
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+import hf_specdec
+from helpers import assert_same, spec
+from models import build, prompts
+
+
+@pytest.fixture()
+def models():
+    target, draft = build("llama", 2, seed=0), build("llama", 1, seed=1)
+    calls = []
+    for m in (target, draft):
+        m.register_forward_hook(lambda *a: calls.append(1))
+    return target, draft, calls
+
+
+def check_error(models, exc, match, drafters=None, policy="fixed:4", **kwargs):
+    target, draft, calls = models
+    ids, mask = prompts(3, seed=0)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        spec(target, [draft] if drafters is None else drafters, policy,
+             **{"input_ids": ids, "attention_mask": mask, "max_new_tokens": 5, **kwargs})
+    assert not calls, "work started before the error"
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    # and the model still generates normally, speculative or not
+    assert_same(spec(target, [draft], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=5),
+                target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
+
+
+def test_vocabulary_mismatch_names_both_sizes(models):
+    check_error(models, ValueError, r"vocabulary size 80 .* target has 96", drafters=[build("llama", 1, vocab=80)])
+
+
+def test_empty_assistant_models(models):
+    check_error(models, ValueError, "assistant_models is empty", drafters=[])
+
+
+def test_assistant_models_not_a_list(models):
+    check_error(models, TypeError, "must be a list", drafters=models[1])
+
+
+@pytest.mark.parametrize("element", ["gpt2", torch.nn.Linear(3, 3), 42])
+def test_element_neither_model_nor_drafter(models, element):
+    check_error(models, TypeError, r"assistant_models\[1\] must be a Transformers causal LM or an hf_specdec Drafter",
+                drafters=[models[1], element])
+
+
+def test_encoder_decoder_drafter(models):
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    check_error(models, TypeError, "encoder-decoder", drafters=[t5])
+
+
+@pytest.mark.parametrize("policy,exc,match", [
+    ("fast", ValueError, "unknown spec_policy 'fast'"),
+    ("fixed:x", ValueError, "expected an integer"),
+    (3.5, TypeError, "spec_policy must be"),
+])
+def test_bad_policy(models, policy, exc, match):
+    check_error(models, exc, match, policy=policy)
+
+
+def test_bad_policy_objects():
+    with pytest.raises(ValueError, match="k must be an integer >= 0"):
+        hf_specdec.FixedLength(-1)
+    with pytest.raises(TypeError, match="length must be a LengthPolicy"):
+        hf_specdec.SpecPolicy(length=4)
+
+
+def test_beam_search_refused(models):
+    check_error(models, ValueError, "beam search", num_beams=2)
+
+
+def test_unsupported_outputs_refused(models):
+    check_error(models, ValueError, "output_scores", output_scores=True, return_dict_in_generate=True)
+
+
+def test_drafter_index_out_of_range(models):
+    check_error(models, ValueError, r"FixedDrafter\(3\)",
+                policy=hf_specdec.SpecPolicy(selector=hf_specdec.FixedDrafter(3)))
+
+
+def test_padding_without_attention_mask(models):
+    target, draft, calls = models
+    hf_specdec.enable(target)
+    ids, _ = prompts(3, seed=0)
+    with pytest.raises(ValueError, match="no attention_mask"):
+        target.generate(input_ids=ids, max_new_tokens=5, assistant_models=[draft])
+    assert not calls
+
+
+def test_encoder_decoder_target():
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=16, d_ff=32, num_layers=1, num_heads=2,
+                                             d_kv=8, decoder_start_token_id=0))
+    hf_specdec.enable(t5)
+    with pytest.raises(ValueError, match="decoder-only targets"):
+        t5.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, assistant_models=[t5])
