@@ -5,7 +5,7 @@ import torch
 import hf_specdec
 from hf_specdec.policies import resolve_policy
 from helpers import assert_same
-from models import build, prompts
+from hf_specdec.testing import build, prompts
 
 
 def test_enable_disable_roundtrip():

@@ -5,7 +5,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import hf_specdec
 from helpers import assert_same, spec
-from models import build, prompts
+from hf_specdec.testing import build, prompts
 
 
 @pytest.fixture()

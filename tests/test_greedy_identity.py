@@ -3,7 +3,7 @@ import pytest
 
 import hf_specdec
 from helpers import assert_same, spec
-from models import build, noisy_copy, prompts
+from hf_specdec.testing import build, noisy_copy, prompts
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 DRAFTS = {

@@ -8,7 +8,7 @@ import hf_specdec
 import importlib
 from hf_specdec.verify import VerifyResult
 from helpers import assert_same, spec
-from models import build, noisy_copy
+from hf_specdec.testing import build, noisy_copy
 
 generate_module = importlib.import_module("hf_specdec.generate")  # the module, not the function
 

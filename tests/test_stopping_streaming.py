@@ -7,7 +7,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
 from helpers import assert_same, spec
-from models import build, prompts
+from hf_specdec.testing import build, prompts
 
 
 @pytest.fixture(scope="module")
