@@ -26,6 +26,9 @@ from .stats import SpecStats, StepRecord
 logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+# what generate() itself puts in model_kwargs for a decoder-only text model; anything else
+# (token_type_ids, pixel_values, ...) would be silently ignored by our forwards, so it is refused
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values"}
 
 
 def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None = None,
@@ -45,6 +48,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     generation_config = generation_config or model.generation_config
     drafters, policy = check_spec_args(model, assistant_models, spec_policy)
     _check_call(input_ids, generation_config, model_kwargs)
+    sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)  # may refuse processors
     if spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
 
@@ -55,7 +59,6 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     pad = generation_config._pad_token_tensor
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
                           slack=8, pad_token_id=int(pad) if pad is not None else 0)
-    sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)
     target = CachedModel(model)
     target.reset(batch)
     for drafter in drafters:
@@ -129,7 +132,7 @@ class _Loop:
         emitted = self.cut_at_stops(start, result.num_accepted + 1)
         batch.lengths[rows] = start + emitted
         record = StepRecord(len(rows), drafter.name if drafter else None, k, draft_lens.tolist(),
-                            result.num_accepted.tolist(), emitted.tolist(), t1 - t0, t2 - t1)
+                            result.num_accepted.tolist(), emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1)
         self.retire_finished()
         return record
 
@@ -149,7 +152,9 @@ class _Loop:
             emitted = torch.where(stopped >= 0, stopped - start, emitted)
         elif bool((self.stopped_at >= 0).all()):
             # every row has stopped: all rows end at the latest stop, like generate()'s last step
+            # (rows already retired at max_length included)
             self.limit[:] = int(self.stopped_at.max())
+            self.batch.lengths.clamp_(max=int(self.limit[0]))
             emitted = torch.minimum(emitted, self.limit[rows] - start)
         return emitted
 
@@ -216,8 +221,10 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
     for flag in _UNSUPPORTED_OUTPUTS:
         if getattr(generation_config, flag, False):
             raise ValueError(f"{flag}=True is not supported with speculative decoding yet")
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("inputs_embeds is not supported; pass input_ids")
+    unknown = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
+    if unknown:
+        raise ValueError(f"model inputs {unknown} are not supported with speculative decoding; "
+                         "pass input_ids and attention_mask only")
     cache = model_kwargs.get("past_key_values")
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("past_key_values with content is not supported: hf_specdec builds its own caches")

@@ -20,12 +20,21 @@ _POSITION_FREE = tuple(getattr(lp, name) for name in (
 ) if hasattr(lp, name))
 
 
+# Processors that keep state across calls and assume exactly one call per generated token; our
+# calls are per draft position and per prefix length, so their output would silently change.
+_STATEFUL = ("UnbatchedClassifierFreeGuidanceLogitsProcessor", "SynthIDTextWatermarkLogitsProcessor")
+
+
 class TokenSampler:
     """Applies `generate()`'s processors and picks tokens (argmax, or a draw from `generator`)."""
 
     def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool,
                  generator: torch.Generator | None = None):
         self.processors = logits_processor or LogitsProcessorList()
+        stateful = [type(p).__name__ for p in self.processors if type(p).__name__ in _STATEFUL]
+        if stateful:
+            raise ValueError(f"logits processors {stateful} keep per-token state and are not supported with "
+                             "speculative decoding (e.g. guidance_scale, watermarking_config)")
         self.do_sample = do_sample
         self.generator = generator
         self._position_free = all(isinstance(p, _POSITION_FREE) for p in self.processors)

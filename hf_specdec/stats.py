@@ -13,7 +13,8 @@ class StepRecord:
     k: int                     # draft length asked of the drafter
     proposed: list[int]        # drafts actually proposed per row (<= k)
     accepted: list[int]        # drafts accepted per row
-    emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop)
+    emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop; without an
+                               # EOS criterion generate() may later cut rows back, not subtracted here)
     draft_s: float             # wall time drafting
     verify_s: float            # wall time of the target forward + verification
 

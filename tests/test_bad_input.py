@@ -98,3 +98,16 @@ def test_encoder_decoder_target():
     hf_specdec.enable(t5)
     with pytest.raises(ValueError, match="decoder-only targets"):
         t5.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, assistant_models=[t5])
+
+
+def test_stateful_processors_refused(models):
+    check_error(models, ValueError, "UnbatchedClassifierFreeGuidanceLogitsProcessor", guidance_scale=1.5)
+
+
+def test_extra_model_inputs_refused():
+    """GPT-2 accepts token_type_ids, so generate() passes them on; they must not be dropped silently."""
+    target = build("gpt2", 2, seed=0)
+    ids, mask = prompts(3, seed=0)
+    with pytest.raises(ValueError, match=r"\['token_type_ids'\] are not supported"):
+        spec(target, [target], input_ids=ids, attention_mask=mask, max_new_tokens=5,
+             token_type_ids=torch.zeros_like(ids))

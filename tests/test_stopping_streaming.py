@@ -99,3 +99,17 @@ def test_streamer_gets_what_plain_generate_sends(batch):
     assert_same(out, plain)
     assert spec_rec.calls == plain_rec.calls
     assert len(plain_rec.calls) > 5
+
+
+def test_rows_stopped_and_retired_at_max_length_are_cut_back():
+    """Without EOS, a row that stopped early keeps decoding, may retire at max_length, and must still
+    be cut back to the last row's stop (regression: the output was 3 columns wider than plain)."""
+    target = build("llama", 2, seed=0)
+    ids, mask = prompts(3, seed=5)
+    limits = ids.shape[1] + torch.tensor([5, 3, 13])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, eos_token_id=None,
+                  stopping_criteria=StoppingCriteriaList([StopAfterTokenOrLength(-1, limits)]))
+    plain = target.generate(**kwargs)
+    from hf_specdec.testing import noisy_copy
+    for k in (2, 6):
+        assert_same(spec(target, [noisy_copy(target, 0.05)], f"fixed:{k}", **kwargs), plain)
