@@ -58,7 +58,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     pad = generation_config._pad_token_tensor
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
-                          slack=8, pad_token_id=int(pad) if pad is not None else 0)
+                          pad_token_id=int(pad) if pad is not None else 0)
     target = CachedModel(model)
     target.reset(batch)
     for drafter in drafters:
@@ -106,19 +106,23 @@ class _Loop:
         drafter = self.drafters[decision.drafter] if k else None
         if drafter is not None:
             proposal = drafter.propose(batch, k)
-            draft_tokens, draft_probs = proposal.tokens, proposal.probs
             draft_lens = torch.minimum(proposal.lengths, room)
+            # verify only as many positions as the longest proposal (n-gram drafters may find nothing)
+            width = int(draft_lens.max())
+            draft_tokens = proposal.tokens[:, :width]
+            draft_probs = proposal.probs[:, :width] if proposal.probs is not None else None
             batch.write(rows, start, draft_tokens)
         else:
             draft_tokens = torch.zeros(len(rows), 0, dtype=torch.long, device=start.device)
-            draft_probs, draft_lens = None, torch.zeros_like(start)
+            draft_probs, draft_lens, width = None, torch.zeros_like(start), 0
         self._sync()
 
         t1 = time.perf_counter()
         pending, real = self.target.pending(batch)
         spec_start = self.target.num_slots + pending.shape[1]
-        draft_real = torch.arange(k, device=start.device)[None, :] < draft_lens[:, None]
-        logits = self.target.forward(torch.cat([pending, draft_tokens], 1), torch.cat([real, draft_real], 1), k + 1)
+        draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
+        logits = self.target.forward(torch.cat([pending, draft_tokens], 1), torch.cat([real, draft_real], 1),
+                                     width + 1)
         scores = self.sampler.scores(batch, logits)                       # [n, k+1, vocab]
         result = verify_module.verify(draft_tokens, draft_lens, scores, draft_probs,
                                       self.sampler.do_sample, self.sampler.generator)

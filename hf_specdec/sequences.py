@@ -10,14 +10,16 @@ import torch
 
 
 class SequenceBatch:
+    GROWTH = 64  # the buffer grows in steps of this many positions, as rows get longer
+
     def __init__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
-                 max_length: int, slack: int, pad_token_id: int):
+                 max_length: int, pad_token_id: int):
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         self.prompt_len = prompt_len
         self.max_length = max_length
         self.pad_token_id = pad_token_id
-        self.tokens = torch.full((batch, max(max_length, prompt_len) + slack), pad_token_id,
+        self.tokens = torch.full((batch, prompt_len + self.GROWTH), pad_token_id,
                                  dtype=torch.long, device=device)      # [batch, capacity]
         self.tokens[:, :prompt_len] = input_ids
         self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=device)  # [batch]
@@ -50,7 +52,7 @@ class SequenceBatch:
         """Make room for `width` tokens past the longest row (drafts are written as scratch)."""
         short = int(self.lengths.max()) + width - self.capacity
         if short > 0:
-            self.tokens = torch.nn.functional.pad(self.tokens, (0, short), value=self.pad_token_id)
+            self.tokens = torch.nn.functional.pad(self.tokens, (0, short + self.GROWTH), value=self.pad_token_id)
 
     def clear_scratch(self, rows: torch.Tensor) -> None:
         """Reset everything past each row's end to padding (finished rows then read as generate()'s)."""
