@@ -198,7 +198,7 @@ def summarize(args, methods, problems, done):
     estimate = sys.modules[type(metric).__module__].estimate_pass_at_k  # the metric's own estimator
     task_ids = [p["task_id"] for p in problems]
     plain = next((m for m in methods if m.drafter is None), None)
-    summary = {"args": {k: v for k, v in vars(args).items()}, "methods": {}}
+    summary = {"args": dict(vars(args)), "methods": {}}
     per_problem = {}
     for m in methods:
         recs = [[done[(m.name, t, s)] for s in range(args.n)] for t in task_ids]

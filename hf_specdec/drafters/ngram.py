@@ -1,4 +1,4 @@
-"""Prompt lookup: propose what followed the last earlier occurrence of the current suffix."""
+"""Prompt lookup: propose what followed an earlier occurrence of the current suffix."""
 from __future__ import annotations
 
 import torch
@@ -11,9 +11,9 @@ class PromptLookupDrafter(Drafter):
     """Model-free n-gram drafter over each row's own prompt and output so far.
 
     For n from `max_ngram` down to `min_ngram`, find the earliest occurrence of the row's last n
-    tokens and propose the (up to k) tokens that followed it (earliest, as Transformers does: on
-    8 HumanEval prompts with SmolLM2 it needed 263 target forwards vs 281 for the latest match). Rows without a match
-    propose nothing this step. Proposals are point masses (q = None in `verify`).
+    tokens and propose the (up to k) tokens that followed it. Earliest, as Transformers does: on 8
+    HumanEval prompts with SmolLM2 it needed 263 target forwards vs 281 for the latest match.
+    Rows without a match propose nothing this step. Proposals are point masses (q = None).
     """
 
     def __init__(self, max_ngram: int = 2, min_ngram: int = 1):
