@@ -90,7 +90,7 @@ class CachedModel:
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
-        _compat.select_rows(self.cache, keep.to(self.device))
-        self.slot_mask = self.slot_mask[keep.to(self.device)]
-        self.num_real = self.num_real[keep.to(self.device)]
+        on_device = keep.to(self.device)
+        _compat.select_rows(self.cache, on_device)
+        self.slot_mask, self.num_real = self.slot_mask[on_device], self.num_real[on_device]
         self.fed = self.fed[keep]

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 from ..stats import StepRecord
 
 
+def non_negative_int(value, where: str) -> int:
+    """`value` if it is an int >= 0 (bools refused), else a ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where} must be an integer >= 0, got {value!r}")
+    return value
+
+
 @dataclass
 class StepContext:
     """What a policy sees before a step."""

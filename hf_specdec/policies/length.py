@@ -1,16 +1,14 @@
 """Draft-length policies."""
 from __future__ import annotations
 
-from .base import LengthPolicy, StepContext
+from .base import LengthPolicy, StepContext, non_negative_int
 
 
 class FixedLength(LengthPolicy):
     """Always draft `k` tokens (k = 0: never speculate)."""
 
     def __init__(self, k: int = 4):
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"FixedLength(k): k must be an integer >= 0, got {k!r}")
-        self.k = k
+        self.k = non_negative_int(k, "FixedLength(k): k")
 
     def choose(self, ctx: StepContext) -> int:
         return self.k

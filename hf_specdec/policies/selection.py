@@ -1,16 +1,14 @@
 """Drafter selectors."""
 from __future__ import annotations
 
-from .base import DrafterSelector, StepContext
+from .base import DrafterSelector, StepContext, non_negative_int
 
 
 class FixedDrafter(DrafterSelector):
     """Always use drafter `index`."""
 
     def __init__(self, index: int = 0):
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"FixedDrafter(index): index must be an integer >= 0, got {index!r}")
-        self.index = index
+        self.index = non_negative_int(index, "FixedDrafter(index): index")
 
     def choose(self, ctx: StepContext) -> int:
         if self.index >= ctx.num_drafters:
