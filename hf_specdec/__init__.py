@@ -2,15 +2,17 @@
 
     hf_specdec.enable(model)
     model.generate(**inputs, assistant_models=[draft], spec_policy=hf_specdec.FixedLength(4))
+    model.generate(**inputs, assistant_models=[draft_a, draft_b, hf_specdec.PromptLookupDrafter()],
+                   spec_policy=hf_specdec.HedgeSpec())
 """
-from .drafters import Drafter, ModelDrafter, PromptLookupDrafter, self_draft
+from .drafters import DatastoreDrafter, Drafter, ModelDrafter, PromptLookupDrafter, self_draft
 from .enable import disable, enable
 from .generate import generate
-from .policies import FixedDrafter, FixedLength, SpecPolicy
+from .policies import EXP3Spec, FixedDrafter, FixedLength, HedgeSpec, SpecPolicy, UCBSpec
 from .stats import SpecStats, StepRecord
 from .verify import VerifyResult, verify
 
-__all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "FixedDrafter", "Drafter",
-           "ModelDrafter", "PromptLookupDrafter", "self_draft", "SpecStats", "StepRecord", "verify",
+__all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "FixedDrafter", "HedgeSpec",
+           "UCBSpec", "EXP3Spec", "Drafter", "ModelDrafter", "PromptLookupDrafter", "DatastoreDrafter", "self_draft", "SpecStats", "StepRecord", "verify",
            "VerifyResult"]
 __version__ = "0.1.0"

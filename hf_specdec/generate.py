@@ -17,9 +17,10 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from . import _compat
 from . import verify as verify_module
 from .cached_model import CachedModel
-from .drafters import Drafter, as_drafter, output_vocab_size
+from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
 from .policies import SpecPolicy, StepContext, resolve_policy
 from .sampling import TokenSampler
+from .scoring import score_drafters
 from .sequences import SequenceBatch
 from .stats import SpecStats, StepRecord
 
@@ -85,7 +86,8 @@ class _Loop:
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
     def run(self) -> SpecStats:
-        stats = SpecStats()
+        stats = SpecStats(drafter_names=[d.name for d in self.drafters])
+        self.policy.begin(self.context(0))
         while len(self.batch.active):
             record = self.step(len(stats.steps))
             stats.steps.append(record)
@@ -94,18 +96,22 @@ class _Loop:
         self.stream(final=True)
         return stats
 
+    def context(self, step: int) -> StepContext:
+        return StepContext(step, len(self.batch.active), len(self.drafters), self.batch.active.tolist())
+
     def step(self, index: int) -> StepRecord:
         batch, rows = self.batch, self.batch.active
-        decision = self.policy.choose(StepContext(index, len(rows), len(self.drafters)))
+        decision = self.policy.choose(self.context(index))
         start = batch.lengths[rows].clone()                               # [n]
         room = self.limit[rows] - start - 1                               # drafts that fit
         k = max(0, min(decision.length, int(room.max())))
         batch.reserve(k + 1)
+        choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
 
         t0 = time.perf_counter()
-        drafter = self.drafters[decision.drafter] if k else None
-        if drafter is not None:
-            proposal = drafter.propose(batch, k)
+        drafter_s = {}
+        if k:
+            proposal = self.propose(choice, k, drafter_s)
             draft_lens = torch.minimum(proposal.lengths, room)
             # verify only as many positions as the longest proposal (n-gram drafters may find nothing)
             width = int(draft_lens.max())
@@ -127,18 +133,52 @@ class _Loop:
         result = verify_module.verify(draft_tokens, draft_lens, scores, draft_probs,
                                       self.sampler.do_sample, self.sampler.generator)
         self.target.rollback(spec_start, result.num_accepted)
-        if drafter is not None:
-            drafter.accepted(result.num_accepted)
+        chosen = torch.tensor(choice, device=start.device)
+        for d in drafter_s:
+            self.drafters[d].accepted(torch.where(chosen == d, result.num_accepted, 0))
         self._sync()
         t2 = time.perf_counter()
 
         batch.tokens[rows, start + result.num_accepted] = result.next_tokens
         emitted = self.cut_at_stops(start, result.num_accepted + 1)
         batch.lengths[rows] = start + emitted
-        record = StepRecord(len(rows), drafter.name if drafter else None, k, draft_lens.tolist(),
-                            result.num_accepted.tolist(), emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1)
-        self.retire_finished()
+        record = StepRecord(len(rows), choice, k, draft_lens.tolist(), result.num_accepted.tolist(),
+                            emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s)
+        keep = self.retire_finished()
+        if len(batch.active) and self.policy.wants_feedback(index):
+            self.feedback(record, start[keep], scores[keep])
         return record
+
+    def propose(self, choice: list[int], k: int, drafter_s: dict) -> Proposal:
+        """Each row's drafts from its chosen drafter; a drafter proposes for the whole batch (its
+        cache is one rectangle) and rows that chose another drafter ignore it."""
+        proposals = {}
+        for d in sorted(set(choice)):
+            t = time.perf_counter()
+            proposals[d] = self.drafters[d].propose(self.batch, k)
+            self._sync()
+            drafter_s[d] = time.perf_counter() - t
+        if len(proposals) == 1:
+            return proposals[choice[0]]
+        pick = torch.tensor([sorted(proposals).index(d) for d in choice], device=self.batch.tokens.device)
+        rows = torch.arange(len(choice), device=pick.device)
+        parts = [proposals[d] for d in sorted(proposals)]
+        tokens = torch.stack([p.tokens for p in parts])[pick, rows]
+        lengths = torch.stack([p.lengths for p in parts])[pick, rows]
+        probs = None
+        if any(p.probs is not None for p in parts):   # point masses as one-hot rows next to real q
+            vocab = next(p.probs.shape[-1] for p in parts if p.probs is not None)
+            dense = [p.probs if p.probs is not None else
+                     torch.nn.functional.one_hot(p.tokens, vocab).float() for p in parts]
+            probs = torch.stack(dense)[pick, rows]
+        return Proposal(tokens, lengths, probs)
+
+    def feedback(self, record: StepRecord, start: torch.Tensor, target_scores: torch.Tensor) -> None:
+        """Score every drafter on the positions this step verified (full-information feedback)."""
+        gammas, seconds = score_drafters(self.drafters, self.batch, start, target_scores, self.sampler.do_sample)
+        count = (self.batch.lengths[self.batch.active] - start).tolist()
+        record.gammas = {row: gammas[i, :count[i]].tolist() for i, row in enumerate(self.batch.active.tolist())}
+        record.replay_s = dict(enumerate(seconds))
 
     def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
         """Check the stopping criteria after each new token, as generate() does per step; returns
@@ -162,21 +202,23 @@ class _Loop:
             emitted = torch.minimum(emitted, self.limit[rows] - start)
         return emitted
 
-    def retire_finished(self) -> None:
+    def retire_finished(self) -> torch.Tensor:
+        """Drop rows that are done; returns the kept rows' indices into the previous active rows."""
         batch, rows = self.batch, self.batch.active
         lengths = batch.lengths[rows]
         done = lengths >= self.limit[rows]
         if self.freeze_finished:
             done |= self.stopped_at[rows] >= 0
         batch.clear_scratch(rows)
-        if not bool(done.any()):
-            return
         keep = (~done).nonzero().squeeze(1)
+        if not bool(done.any()):
+            return keep
         batch.active = rows[keep]
         if len(keep):
             self.target.select_rows(keep)
             for drafter in self.drafters:
                 drafter.select_rows(keep)
+        return keep
 
     def stream(self, final: bool) -> None:
         """Put completed columns, as generate() does once per step; rows advance unevenly, so a
@@ -190,6 +232,15 @@ class _Loop:
         self.streamed = max(self.streamed, end)
         if final:
             self.streamer.end()
+
+
+def _per_row_choice(drafter, n: int, num_drafters: int) -> list[int]:
+    """A selector's choice (one index, or one per active row) as a list of n valid indices."""
+    choice = [drafter] * n if isinstance(drafter, int) else list(drafter)
+    if len(choice) != n or not all(isinstance(d, int) and 0 <= d < num_drafters for d in choice):
+        raise ValueError(f"the drafter selector must return an index in [0, {num_drafters}) or a list of "
+                         f"{n} such indices (one per active row), got {drafter!r}")
+    return choice
 
 
 def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:

@@ -9,19 +9,40 @@ class StepRecord:
     """One target forward. Lists are per active row, in batch order."""
 
     batch_size: int            # active rows in this step
-    drafter: str | None        # None: no speculation this step (k = 0)
-    k: int                     # draft length asked of the drafter
+    drafters: list[int]        # per row: index into assistant_models; -1 = no speculation (k = 0)
+    k: int                     # draft length asked of the drafters
     proposed: list[int]        # drafts actually proposed per row (<= k)
     accepted: list[int]        # drafts accepted per row
     emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop; without an
                                # EOS criterion generate() may later cut rows back, not subtracted here)
     draft_s: float             # wall time drafting
     verify_s: float            # wall time of the target forward + verification
+    rows: list[int] = field(default_factory=list)            # original batch index per row
+    drafter_s: dict[int, float] = field(default_factory=dict)  # proposing time per drafter used
+    # full-information feedback (when the selector asks for it): for each row still decoding after
+    # the step, per newly verified position, every drafter's acceptance probability gamma
+    gammas: dict[int, list[list[float]]] | None = None
+    replay_s: dict[int, float] = field(default_factory=dict)   # scoring time per drafter
 
 
 @dataclass
 class SpecStats:
     steps: list[StepRecord] = field(default_factory=list)
+    drafter_names: list[str] = field(default_factory=list)   # assistant_models, in order
+
+    def drafter_row_steps(self) -> dict[str, int]:
+        """How many (row, step) pairs each drafter drafted for ("none": k = 0)."""
+        counts: dict[str, int] = {}
+        for step in self.steps:
+            for d in step.drafters:
+                name = self.drafter_names[d] if d >= 0 else "none"
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    @property
+    def scoring_seconds(self) -> float:
+        """Time spent scoring drafters for full-information feedback."""
+        return sum(sum(s.replay_s.values()) for s in self.steps)
 
     @property
     def target_forwards(self) -> int:
@@ -59,4 +80,6 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
+            "scoring_seconds": round(self.scoring_seconds, 4),
+            "drafter_row_steps": self.drafter_row_steps(),
         }

@@ -58,7 +58,7 @@ def test_zero_length_policy_is_plain_decoding():
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, custom_generate=hf_specdec.generate,
                          assistant_models=[model], spec_policy="fixed:0", return_dict_in_generate=True)
     assert_same(out.sequences, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7))
-    assert all(s.drafter is None and s.k == 0 for s in out.spec_stats.steps)
+    assert all(s.drafters == [-1] * s.batch_size and s.k == 0 for s in out.spec_stats.steps)
 
 
 def scores_from(tokens, vocab=5):

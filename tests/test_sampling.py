@@ -26,9 +26,10 @@ def exact_two_token_distribution(target, prompt):
     return first[:, None] * second                                  # [t1, t2]
 
 
-def empirical(target, drafter, prompt, n, seed):
+def empirical(target, drafter, prompt, n, seed, policy="fixed:1"):
     gen = torch.Generator().manual_seed(seed)
-    out = spec(target, [drafter], "fixed:1", input_ids=prompt.repeat(n, 1), max_new_tokens=2,
+    drafters = drafter if isinstance(drafter, list) else [drafter]
+    out = spec(target, drafters, policy, input_ids=prompt.repeat(n, 1), max_new_tokens=2,
                spec_generator=gen, eos_token_id=None, **SAMPLING)
     new = out[:, prompt.shape[1]:]
     counts = torch.zeros(VOCAB, VOCAB)
@@ -72,6 +73,18 @@ def test_distribution_matches_target(setup, drafter):
     d = draft if drafter == "model" else hf_specdec.PromptLookupDrafter(max_ngram=1)
     tv = 0.5 * (empirical(target, d, prompt, N, seed=1) - exact).abs().sum()
     assert tv < TV_BOUND, f"TV {tv:.4f}"
+
+
+def test_distribution_matches_target_with_per_row_drafters(setup):
+    """HedgeSpec draws each row's drafter: one verify call mixes model q and point masses."""
+    target, draft, prompt, exact = setup
+    pool = [draft, hf_specdec.PromptLookupDrafter(max_ngram=1)]
+    policy = hf_specdec.SpecPolicy(hf_specdec.HedgeSpec(seed=3), hf_specdec.FixedLength(1))
+    tv = 0.5 * (empirical(target, pool, prompt, N, seed=1, policy=policy) - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
+    out = spec(target, pool, policy, input_ids=prompt.repeat(200, 1), max_new_tokens=2, eos_token_id=None,
+               return_dict_in_generate=True, **SAMPLING)
+    assert set(out.spec_stats.steps[0].drafters) == {0, 1}     # both kinds of q in one verify call
 
 
 @pytest.mark.parametrize("broken", [broken_verify, residual_from_p_verify])

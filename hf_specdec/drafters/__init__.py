@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import Drafter, Proposal
+from .base import Drafter, LookupDrafter, Prediction, Proposal
+from .datastore import DatastoreDrafter
 from .model import ModelDrafter, output_vocab_size
 from .ngram import PromptLookupDrafter
 from .self_draft import self_draft
 
-__all__ = ["Drafter", "Proposal", "ModelDrafter", "PromptLookupDrafter", "self_draft", "as_drafter",
-           "output_vocab_size"]
+__all__ = ["Drafter", "LookupDrafter", "Prediction", "Proposal", "ModelDrafter", "PromptLookupDrafter",
+           "DatastoreDrafter", "self_draft", "as_drafter", "output_vocab_size"]
 
 
 def as_drafter(obj, index: int = 0) -> Drafter:

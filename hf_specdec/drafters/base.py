@@ -10,6 +10,16 @@ from ..sequences import SequenceBatch
 
 
 @dataclass
+class Prediction:
+    """What a drafter would have proposed at each newly verified position (full-information
+    feedback): position j of row b is buffer position start[b] + j, given the verified prefix."""
+
+    tokens: torch.Tensor               # [n, w] its token (argmax of its distribution for a model)
+    valid: torch.Tensor                # [n, w] False where it would have proposed nothing
+    probs: torch.Tensor | None = None  # [n, w, vocab] its processed distribution (models, when sampling)
+
+
+@dataclass
 class Proposal:
     tokens: torch.Tensor              # [n, k] draft tokens of the active rows
     lengths: torch.Tensor             # [n] row b proposes tokens[b, :lengths[b]]
@@ -36,5 +46,42 @@ class Drafter:
     def accepted(self, num_accepted: torch.Tensor) -> None:
         """Row b accepted the first num_accepted[b] tokens of the last proposal."""
 
+    def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
+        """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
+        raise NotImplementedError(f"{type(self).__name__} does not support full-information feedback")
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Only rows `keep` (indices into the previous active rows) continue."""
+
+
+class LookupDrafter(Drafter):
+    """A model-free drafter: a deterministic continuation of each row's tokens (q = point mass).
+    Subclasses define `continuation`; rows without one propose nothing."""
+
+    def continuation(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """Up to k tokens [<= k] to follow the row's tokens `seq` [length] (no padding)."""
+        raise NotImplementedError
+
+    def propose(self, batch: SequenceBatch, k: int) -> Proposal:
+        rows = batch.active
+        tokens = torch.zeros(len(rows), k, dtype=torch.long, device=batch.tokens.device)
+        lengths = torch.zeros(len(rows), dtype=torch.long, device=batch.tokens.device)
+        starts, ends = batch.real_start(rows).tolist(), batch.lengths[rows].tolist()
+        for i, (row, start, end) in enumerate(zip(rows.tolist(), starts, ends)):
+            continuation = self.continuation(batch.tokens[row, start:end], k)
+            tokens[i, : len(continuation)] = continuation
+            lengths[i] = len(continuation)
+        return Proposal(tokens, lengths, None)
+
+    def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
+        rows = batch.active
+        count = (batch.lengths[rows] - start).tolist()
+        tokens = torch.zeros(len(rows), max(count), dtype=torch.long, device=batch.tokens.device)
+        valid = torch.zeros_like(tokens, dtype=torch.bool)
+        firsts = batch.real_start(rows).tolist()
+        for i, (row, first, begin, m) in enumerate(zip(rows.tolist(), firsts, start.tolist(), count)):
+            for j in range(m):
+                guess = self.continuation(batch.tokens[row, first: begin + j], 1)
+                if len(guess):
+                    tokens[i, j], valid[i, j] = guess[0], True
+        return Prediction(tokens, valid)

@@ -5,7 +5,7 @@ import torch
 
 from ..cached_model import CachedModel
 from ..sequences import SequenceBatch
-from .base import Drafter, Proposal
+from .base import Drafter, Prediction, Proposal
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -28,15 +28,25 @@ class ModelDrafter(Drafter):
         super().begin(batch, sampler)
         self.runner.reset(batch)
         self._spec_start = None
+        # Logits the drafter already holds for positions from the current step's start on, so that
+        # scoring (`replay`) and the next proposal need no extra forward:
+        #   _known [n, P, vocab]: row b's first _known_count[b] columns predict positions start[b]..
+        #   _head [n, vocab]: predicts position lengths[b], valid while the drafter has no lag
+        self._known = self._known_count = self._known_start = self._head = None
 
     def propose(self, batch: SequenceBatch, k: int) -> Proposal:
         rows = batch.active
         start = batch.lengths[rows]
-        tokens, real = self.runner.pending(batch)       # catch up the lag, then draft
-        logits = self.runner.forward(tokens, real, keep=1)
+        if self._head is not None and int(self.runner.lag(batch).max()) == 0:
+            logits = self._head[:, None]                 # caught up by the last replay
+        else:
+            tokens, real = self.runner.pending(batch)    # catch up the lag, then draft
+            logits = self.runner.forward(tokens, real, keep=1)
+        self._head = None
         self._spec_start = self.runner.num_slots
-        drafts, probs = [], []
+        drafts, probs, seen = [], [], []
         for j in range(k):
+            seen.append(logits[:, 0])
             scores = self.sampler.scores(batch, logits, offset=j)[:, 0]   # [n, vocab]
             token = self.sampler.pick(scores)
             if self.sampler.do_sample:
@@ -46,12 +56,52 @@ class ModelDrafter(Drafter):
             if j < k - 1:
                 logits = self.runner.forward(token[:, None], torch.ones_like(token[:, None], dtype=torch.bool), 1)
         self._fed_drafts = k - 1                         # the last draft was never fed
+        self._known = torch.stack(seen, 1)               # [n, k, vocab] predicts start .. start+k-1
+        self._known_start = start.clone()
         return Proposal(torch.stack(drafts, 1), torch.full_like(start, k),
                         torch.stack(probs, 1) if probs else None)
 
     def accepted(self, num_accepted):
-        self.runner.rollback(self._spec_start, num_accepted.clamp(max=self._fed_drafts))
+        kept = num_accepted.clamp(max=self._fed_drafts)
+        self.runner.rollback(self._spec_start, kept)
+        self._known_count = kept + 1     # the logits after each kept draft are still right
         self._spec_start = None
+
+    def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
+        """Feed the verified tokens not yet in the cache and return the drafter's prediction at
+        each verified position; afterwards the drafter has no lag and holds the next head."""
+        rows = batch.active
+        count = batch.lengths[rows] - start                              # [n] verified positions
+        width = int(count.max()) + 1                                     # + the next head
+        if self._known is not None and torch.equal(self._known_start, start):   # proposed this step
+            known, known_count = self._known, self._known_count
+        elif self._head is not None:                                     # caught up last step
+            known, known_count = self._head[:, None], (self.runner.fed == start).long()
+        else:
+            known, known_count = None, torch.zeros_like(count)
+        assert bool((self.runner.lag(batch) >= count + 1 - known_count).all()), "replay: lost positions"
+        tokens, real = self.runner.pending(batch)
+        keep = int((count + 1 - known_count).max())
+        out = self.runner.forward(tokens, real, keep=keep)               # [n, keep, vocab]
+        # column c of `out` predicts position lengths - keep + c, i.e. step column j = c + count - keep + 1
+        j = torch.arange(width, device=count.device)[None, :]            # [1, width]
+        column = (j - count[:, None] + keep - 1).clamp(0, keep - 1)       # [n, width]
+        logits = out.gather(1, column[..., None].expand(-1, -1, out.shape[-1]))
+        if known is not None:
+            known = torch.nn.functional.pad(known[:, :width], (0, 0, 0, max(0, width - known.shape[1])))
+            logits = torch.where((j < known_count[:, None])[..., None], known, logits)
+        self._head = logits[torch.arange(len(rows)), count]              # predicts position lengths
+        self._known = self._known_count = self._known_start = None
+        scores = self.sampler.scores(batch, logits[:, :-1], offset=-count)  # column j follows start + j
+        probs = self.sampler.probs(scores) if self.sampler.do_sample else None
+        return Prediction(scores.argmax(-1), j[:, :-1] < count[:, None], probs)
 
     def select_rows(self, keep):
         self.runner.select_rows(keep)
+        on = keep.to(self.runner.device)
+        if self._head is not None:
+            self._head = self._head[on]
+        if self._known is not None:
+            self._known = self._known[on]
+        if self._known_count is not None:
+            self._known_count, self._known_start = self._known_count[keep], self._known_start[keep]

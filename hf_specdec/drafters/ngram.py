@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..sequences import SequenceBatch
-from .base import Drafter, Proposal
+from .base import LookupDrafter
 
 
-class PromptLookupDrafter(Drafter):
+class PromptLookupDrafter(LookupDrafter):
     """Model-free n-gram drafter over each row's own prompt and output so far.
 
     For n from `max_ngram` down to `min_ngram`, find the earliest occurrence of the row's last n
@@ -23,18 +22,7 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.name = f"prompt_lookup({min_ngram}-{max_ngram})"
 
-    def propose(self, batch: SequenceBatch, k: int) -> Proposal:
-        rows = batch.active
-        tokens = torch.zeros(len(rows), k, dtype=torch.long, device=batch.tokens.device)
-        lengths = torch.zeros(len(rows), dtype=torch.long, device=batch.tokens.device)
-        starts, ends = batch.real_start(rows).tolist(), batch.lengths[rows].tolist()
-        for i, (row, start, end) in enumerate(zip(rows.tolist(), starts, ends)):
-            continuation = self._lookup(batch.tokens[row, start:end], k)
-            tokens[i, : len(continuation)] = continuation
-            lengths[i] = len(continuation)
-        return Proposal(tokens, lengths, None)
-
-    def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+    def continuation(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             windows = seq[:-1].unfold(0, n, 1)                       # earlier n-grams [m, n]
             hits = (windows == seq[-n:]).all(1).nonzero().squeeze(1)

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from ..stats import StepRecord
+from .bandit import EXP3Spec, UCBSpec
 from .base import Decision, DrafterSelector, LengthPolicy, StepContext
+from .hedgespec import HedgeSpec
+from .learners import AdaNormalHedge, Hedge, NormalHedge
 from .length import FixedLength
 from .selection import FixedDrafter
 
-__all__ = ["SpecPolicy", "FixedLength", "FixedDrafter", "Decision", "StepContext", "LengthPolicy",
-           "DrafterSelector", "resolve_policy"]
+__all__ = ["SpecPolicy", "FixedLength", "FixedDrafter", "HedgeSpec", "UCBSpec", "EXP3Spec", "Decision",
+           "StepContext", "LengthPolicy", "DrafterSelector", "resolve_policy", "NormalHedge", "Hedge",
+           "AdaNormalHedge"]
 
 DEFAULT_LENGTH = 4
 
@@ -23,8 +27,15 @@ class SpecPolicy:
         self.selector = selector or FixedDrafter(0)
         self.length = length or FixedLength(DEFAULT_LENGTH)
 
+    def begin(self, ctx: StepContext) -> None:
+        self.selector.begin(ctx)
+        self.length.begin(ctx)
+
     def choose(self, ctx: StepContext) -> Decision:
         return Decision(drafter=self.selector.choose(ctx), length=self.length.choose(ctx))
+
+    def wants_feedback(self, step: int) -> bool:
+        return self.selector.wants_feedback(step)
 
     def observe(self, record: StepRecord) -> None:
         self.selector.observe(record)
@@ -34,12 +45,13 @@ class SpecPolicy:
         return f"SpecPolicy(selector={self.selector!r}, length={self.length!r})"
 
 
-_SHORTCUTS = {"fixed": FixedLength}
+_SHORTCUTS = {"fixed": FixedLength}                                     # take an optional ":<k>"
+_SELECTORS = {"hedgespec": HedgeSpec, "ucb": UCBSpec, "exp3": EXP3Spec}
 
 
 def resolve_policy(spec) -> SpecPolicy:
     """`spec_policy` argument -> SpecPolicy. Accepts None (default), a policy object, or a string
-    such as "fixed" or "fixed:4"."""
+    such as "fixed", "fixed:4" or "hedgespec"."""
     if spec is None:
         return SpecPolicy()
     if isinstance(spec, SpecPolicy):
@@ -49,9 +61,12 @@ def resolve_policy(spec) -> SpecPolicy:
     if isinstance(spec, DrafterSelector):
         return SpecPolicy(selector=spec)
     if isinstance(spec, str):
+        if spec in _SELECTORS:
+            return SpecPolicy(selector=_SELECTORS[spec]())
         name, _, arg = spec.partition(":")
         if name not in _SHORTCUTS:
-            raise ValueError(f"unknown spec_policy {spec!r}; known: {sorted(_SHORTCUTS)} (optionally ':<k>')")
+            raise ValueError(f"unknown spec_policy {spec!r}; known: {sorted(_SHORTCUTS)} (optionally ':<k>'), "
+                             f"{sorted(_SELECTORS)}")
         if not arg:
             return SpecPolicy(length=_SHORTCUTS[name]())
         if not arg.isdigit():

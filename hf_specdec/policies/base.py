@@ -1,7 +1,7 @@
 """The policy interface: plain objects, `choose` before a step, `observe` after it. No torch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..stats import StepRecord
 
@@ -20,15 +20,19 @@ class StepContext:
     step: int              # 0-based target-forward index within this generate() call
     batch_size: int        # active rows
     num_drafters: int
+    rows: list[int] = field(default_factory=list)  # original batch index of each active row
 
 
 @dataclass
 class Decision:
-    drafter: int           # index into assistant_models
-    length: int            # draft length k; 0 = plain decoding step
+    drafter: int | list[int]  # index into assistant_models, for all rows or per active row
+    length: int               # draft length k; 0 = plain decoding step
 
 
 class LengthPolicy:
+    def begin(self, ctx: StepContext) -> None:
+        """A generate() call starts (ctx.step == 0); reset per-call state."""
+
     def choose(self, ctx: StepContext) -> int:
         raise NotImplementedError
 
@@ -37,8 +41,17 @@ class LengthPolicy:
 
 
 class DrafterSelector:
-    def choose(self, ctx: StepContext) -> int:
+    def begin(self, ctx: StepContext) -> None:
+        """A generate() call starts (ctx.step == 0); reset per-call state."""
+
+    def choose(self, ctx: StepContext) -> int | list[int]:
+        """One drafter for every row, or one per active row (in ctx.rows order)."""
         raise NotImplementedError
+
+    def wants_feedback(self, step: int) -> bool:
+        """Should every drafter be scored on the positions verified in `step` (full information)?
+        The scores arrive in `observe` as `record.gammas`."""
+        return False
 
     def observe(self, record: StepRecord) -> None:
         pass

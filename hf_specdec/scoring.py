@@ -1,0 +1,46 @@
+"""Full-information feedback: every drafter's acceptance probability at every verified position.
+
+One verified trajectory scores all drafters without another target forward (HedgeSpec): each
+drafter replays the newly verified tokens (`Drafter.replay`) and says what it would have
+proposed there; the target's processed scores for those positions come from the verification
+forward that produced them. Per position, gamma = 1 - TV(target, draft) = sum_v min(p, q) for a
+model drafter when sampling, p(token) for a deterministic drafter, and agreement with the
+emitted token (the target's argmax) when greedy.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .drafters import Drafter
+from .sequences import SequenceBatch
+
+
+def score_drafters(drafters: list[Drafter], batch: SequenceBatch, start: torch.Tensor,
+                   target_scores: torch.Tensor, do_sample: bool) -> tuple[torch.Tensor, list[float]]:
+    """gamma [n, w, num_drafters] for the active rows' positions start[b] .. lengths[b]-1
+    (columns past a row's count are 0), and each drafter's scoring time in seconds.
+
+    target_scores: [n, >= w, vocab] processed target scores; column j follows start + j.
+    """
+    rows = batch.active
+    count = batch.lengths[rows] - start                                   # [n]
+    width = int(count.max())
+    valid = torch.arange(width, device=count.device)[None, :] < count[:, None]   # [n, w]
+    index = (start[:, None] + torch.arange(width, device=count.device)).clamp(max=batch.capacity - 1)
+    emitted = batch.tokens[rows[:, None], index]                          # [n, w]
+    target_probs = torch.softmax(target_scores[:, :width], -1) if do_sample else None
+    gammas, seconds = [], []
+    for drafter in drafters:
+        t0 = time.perf_counter()
+        guess = drafter.replay(batch, start)
+        if not do_sample:
+            gamma = (guess.tokens[:, :width] == emitted).float()
+        elif guess.probs is not None:
+            gamma = torch.minimum(target_probs, guess.probs[:, :width]).sum(-1)
+        else:
+            gamma = target_probs.gather(-1, guess.tokens[:, :width, None]).squeeze(-1)
+        gammas.append(gamma * (guess.valid[:, :width] & valid))
+        seconds.append(time.perf_counter() - t0)
+    return torch.stack(gammas, -1), seconds
