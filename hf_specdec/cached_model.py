@@ -40,19 +40,21 @@ class CachedModel:
     def lag(self, batch: SequenceBatch) -> torch.Tensor:
         return batch.lengths[batch.active] - self.fed
 
-    def pending(self, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens each row has not fed yet, right-aligned with holes on the left, and mark them fed.
+    def pending(self, batch: SequenceBatch, end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens each row has not fed yet (up to `end` [n], default its length), right-aligned with
+        holes on the left, and mark them fed.
 
         Returns (tokens [n, width], real [n, width]); width = the largest lag (>= 1 for every row).
         """
         rows = batch.active
-        lag = self.lag(batch)
+        end = batch.lengths[rows] if end is None else end
+        lag = end - self.fed
         width = int(lag.max())
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
-        index = batch.lengths[rows, None] + offsets                              # [n, width]
+        index = end[:, None] + offsets                                           # [n, width]
         real = (offsets >= -lag[:, None]) & batch.is_real(rows, index.clamp(min=0))
         tokens = batch.tokens[rows[:, None], index.clamp(min=0)]
-        self.fed = batch.lengths[rows].clone()
+        self.fed = end.clone()
         return tokens, real
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:

@@ -86,8 +86,11 @@ class _Loop:
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
     def run(self) -> SpecStats:
-        stats = SpecStats(drafter_names=[d.name for d in self.drafters])
+        names = [d.name for d in self.drafters]
+        names = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
+        stats = SpecStats(drafter_names=names)
         self.policy.begin(self.context(0))
+        stats.prime_seconds = self.prime()
         while len(self.batch.active):
             record = self.step(len(stats.steps))
             stats.steps.append(record)
@@ -95,6 +98,23 @@ class _Loop:
             self.stream(final=False)
         self.stream(final=True)
         return stats
+
+    def prime(self) -> float:
+        """Warm start: score every drafter on the selector's `prompt_positions` last prompt
+        positions (contexts the target prefills anyway) and hand it the gammas before the first
+        decision. The target stops one token short, so step 0 proceeds as usual. Returns seconds."""
+        selector, batch, rows = self.policy.selector, self.batch, self.batch.active
+        width = min(getattr(selector, "prompt_positions", 0), int(batch.prompt_mask.sum(1).min()) - 1)
+        if width < 1:
+            return 0.0
+        t0 = time.perf_counter()
+        end = batch.lengths[rows] - 1
+        tokens, real = self.target.pending(batch, end)
+        logits = self.target.forward(tokens, real, keep=width)            # predicts positions end-width+1 .. end
+        scores = self.sampler.scores(batch, logits, offset=-width)
+        gammas, _ = score_drafters(self.drafters, batch, end - width + 1, scores, self.sampler.do_sample)
+        selector.prime({row: gammas[i].tolist() for i, row in enumerate(rows.tolist())})
+        return time.perf_counter() - t0
 
     def context(self, step: int) -> StepContext:
         return StepContext(step, len(self.batch.active), len(self.drafters), self.batch.active.tolist())

@@ -5,7 +5,8 @@ drafter replays the newly verified tokens (`Drafter.replay`) and says what it wo
 proposed there; the target's processed scores for those positions come from the verification
 forward that produced them. Per position, gamma = 1 - TV(target, draft) = sum_v min(p, q) for a
 model drafter when sampling, p(token) for a deterministic drafter, and agreement with the
-emitted token (the target's argmax) when greedy.
+target's argmax (the emitted token) when greedy. The same holds for any context the target has
+scored, which is how the last prompt positions warm-start a selector before its first decision.
 """
 from __future__ import annotations
 
@@ -28,15 +29,16 @@ def score_drafters(drafters: list[Drafter], batch: SequenceBatch, start: torch.T
     count = batch.lengths[rows] - start                                   # [n]
     width = int(count.max())
     valid = torch.arange(width, device=count.device)[None, :] < count[:, None]   # [n, w]
-    index = (start[:, None] + torch.arange(width, device=count.device)).clamp(max=batch.capacity - 1)
-    emitted = batch.tokens[rows[:, None], index]                          # [n, w]
-    target_probs = torch.softmax(target_scores[:, :width], -1) if do_sample else None
+    if do_sample:
+        target_probs = torch.softmax(target_scores[:, :width], -1)       # [n, w, vocab]
+    else:
+        target_best = target_scores[:, :width].argmax(-1)                 # [n, w] = the emitted tokens
     gammas, seconds = [], []
     for drafter in drafters:
         t0 = time.perf_counter()
         guess = drafter.replay(batch, start)
         if not do_sample:
-            gamma = (guess.tokens[:, :width] == emitted).float()
+            gamma = (guess.tokens[:, :width] == target_best).float()
         elif guess.probs is not None:
             gamma = torch.minimum(target_probs, guess.probs[:, :width]).sum(-1)
         else:

@@ -29,6 +29,7 @@ class StepRecord:
 class SpecStats:
     steps: list[StepRecord] = field(default_factory=list)
     drafter_names: list[str] = field(default_factory=list)   # assistant_models, in order
+    prime_seconds: float = 0.0   # scoring drafters on the prompt before the first step (warm start)
 
     def drafter_row_steps(self) -> dict[str, int]:
         """How many (row, step) pairs each drafter drafted for ("none": k = 0)."""
@@ -42,7 +43,7 @@ class SpecStats:
     @property
     def scoring_seconds(self) -> float:
         """Time spent scoring drafters for full-information feedback."""
-        return sum(sum(s.replay_s.values()) for s in self.steps)
+        return self.prime_seconds + sum(sum(s.replay_s.values()) for s in self.steps)
 
     @property
     def target_forwards(self) -> int:

@@ -19,11 +19,13 @@ def pool(models, corpus_seed=0):
     return [weak, close, hf_specdec.PromptLookupDrafter(), hf_specdec.DatastoreDrafter(corpus, max_ngram=3)]
 
 
-SELECTORS = {
-    "normalhedge": lambda: hf_specdec.HedgeSpec(seed=1),
-    "hedge": lambda: hf_specdec.HedgeSpec(learner="hedge", seed=1),
-    "adanormalhedge": lambda: hf_specdec.HedgeSpec(learner="adanormalhedge", pick="argmax"),
-    "cost-aware-skipping": lambda: hf_specdec.HedgeSpec(cost_aware=True, feedback_every=3, warmup_steps=2),
+SELECTORS = {   # without the prompt warm start, rows start uniform and draw different drafters
+    "normalhedge": lambda: hf_specdec.HedgeSpec(seed=1, prompt_positions=0),
+    "hedge": lambda: hf_specdec.HedgeSpec(learner="hedge", seed=1, prompt_positions=0),
+    "adanormalhedge": lambda: hf_specdec.HedgeSpec(learner="adanormalhedge", pick="argmax", prompt_positions=0),
+    "cost-aware-skipping": lambda: hf_specdec.HedgeSpec(cost_aware=True, feedback_every=3, warmup_steps=2,
+                                                        prompt_positions=0),
+    "warm-start": lambda: hf_specdec.HedgeSpec(prompt_positions=4),
     "ucb": hf_specdec.UCBSpec,
     "exp3": lambda: hf_specdec.EXP3Spec(seed=2),
 }
@@ -38,7 +40,7 @@ def test_greedy_identical_with_a_pool_on_a_padded_batch(models, name):
     out = spec(target, pool(models), policy, return_dict_in_generate=True, **kwargs)
     assert_same(out.sequences, target.generate(**kwargs))
     used = {d for s in out.spec_stats.steps for d in s.drafters if d >= 0}
-    assert len(used) >= 2                                        # rows really drew different drafters
+    assert len(used) >= 2 or name == "warm-start"                # rows really drew different drafters
 
 
 def test_greedy_identical_with_eos_stops(models):
@@ -105,6 +107,21 @@ def test_full_information_scores_the_right_drafter_best(models):
             assert all(g[1] == 1.0 for g in gammas)              # the copy agrees everywhere
     late = [d for s in out.spec_stats.steps[-5:] for d in s.drafters]
     assert late.count(1) == len(late)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_prompt_warm_start_informs_the_first_choice(models, sampling):
+    """Scored on the last prompt positions, the exact copy wins from step 0 on, for every row."""
+    target, _, weak = models
+    ids, mask = prompts(3, seed=6, min_len=8, max_len=12)
+    extra = dict(do_sample=True, top_k=0) if sampling else {}
+    policy = hf_specdec.SpecPolicy(hf_specdec.HedgeSpec(prompt_positions=6, pick="argmax"), hf_specdec.FixedLength(2))
+    out = spec(target, [weak, hf_specdec.PromptLookupDrafter(), target], policy, input_ids=ids, attention_mask=mask,
+               max_new_tokens=6, return_dict_in_generate=True, **extra)
+    assert out.spec_stats.steps[0].drafters == [2, 2, 2]
+    assert out.spec_stats.prime_seconds > 0
+    if not sampling:
+        assert_same(out.sequences, target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6))
 
 
 def test_datastore_proposes_the_corpus_continuation():

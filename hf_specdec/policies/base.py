@@ -48,6 +48,11 @@ class DrafterSelector:
         """One drafter for every row, or one per active row (in ctx.rows order)."""
         raise NotImplementedError
 
+    prompt_positions = 0   # > 0: score the drafters on this many last prompt positions first
+
+    def prime(self, gammas: dict[int, list[list[float]]]) -> None:
+        """Gammas [position][drafter] per row on the last prompt positions, before step 0."""
+
     def wants_feedback(self, step: int) -> bool:
         """Should every drafter be scored on the positions verified in `step` (full information)?
         The scores arrive in `observe` as `record.gammas`."""

@@ -40,12 +40,14 @@ class HedgeSpec(DrafterSelector):
     cost_aware: weigh expected tokens by each drafter's measured cost (tokens per second).
     feedback_every: score the drafters on every n-th step only (after `warmup_steps` steps);
         fewer scoring forwards at the price of fewer updates (the paper's skipped updates).
+    prompt_positions: before the first decision, score the drafters on this many last prompt
+        positions (acceptance-probability losses; the target prefills them anyway); 0: start uniform.
     pick: "sample" from the weights (default) or "argmax".
     """
 
     def __init__(self, learner: str = "normalhedge", loss: str = "length", warmup: int = 6,
                  depth: int | None = None, cost_aware: bool = False, feedback_every: int = 1,
-                 warmup_steps: int = 4, pick: str = "sample", seed: int = 0):
+                 warmup_steps: int = 4, prompt_positions: int = 16, pick: str = "sample", seed: int = 0):
         if learner not in LEARNERS:
             raise ValueError(f"HedgeSpec(learner) must be one of {sorted(LEARNERS)}, got {learner!r}")
         if loss not in ("length", "prob"):
@@ -59,6 +61,7 @@ class HedgeSpec(DrafterSelector):
         self.learner_name, self.loss, self.pick = learner, loss, pick
         self.warmup = non_negative_int(warmup, "HedgeSpec(warmup)")
         self.warmup_steps = non_negative_int(warmup_steps, "HedgeSpec(warmup_steps)")
+        self.prompt_positions = non_negative_int(prompt_positions, "HedgeSpec(prompt_positions)")
         self.depth, self.cost_aware, self.feedback_every = depth, cost_aware, feedback_every
         self.rng = random.Random(seed)
         self.trace: list[tuple[int, int, list[float]]] = []  # (step, row, weights) per decision
@@ -71,6 +74,12 @@ class HedgeSpec(DrafterSelector):
         self.draft_cost: dict[int, float] = {}          # EMA seconds per drafted token, by drafter
         self.replay_cost: dict[int, float] = {}         # EMA seconds of a scoring pass (fallback)
         self.trace = []
+
+    def prime(self, gammas: dict[int, list[list[float]]]) -> None:
+        """Acceptance-probability losses on the last prompt positions: the first choice is informed."""
+        for row, per_position in gammas.items():
+            for gamma in per_position:
+                self.learners[row].update([1.0 - g for g in gamma])
 
     def wants_feedback(self, step: int) -> bool:
         return step < self.warmup_steps or step % self.feedback_every == 0

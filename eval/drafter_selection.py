@@ -1,0 +1,301 @@
+"""Drafter selection study: single drafters, HedgeSpec (each learner, cost-aware, skipped feedback)
+and the bandit baselines UCBSpec / EXP3Spec, per domain and on the mixed stream.
+
+    python eval/drafter_selection.py --per-domain 2 --max-new-tokens 48 --out results/drafter_selection
+
+Target: the embedded SmolLM2-135M-Instruct (fp32), greedy. Prompts: eval/data/drafter_prompts.jsonl
+(code, prose, qa, summarisation; provenance in each row). Drafter pool (N = 5):
+  bf16, int8      copies of the target (hf_specdec.self_draft)
+  pld             prompt lookup
+  code-ds         DatastoreDrafter over Python standard-library sources (minus the summarised modules)
+  prose-ds        DatastoreDrafter over the Python reference documentation (pydoc_data.topics,
+                  minus the topics used as prompts)
+Pools by size: N=2 [int8, pld], N=4 [int8, pld, code-ds, prose-ds] (specialists), N=5 all,
+N=8 all + weak drafters (2- and 4-layer truncated copies, a datastore over the Python license text).
+Each request has its own learner (selection is per request). The mixed stream is every prompt of
+every domain in one stream. Every output is checked token-identical to plain generate().
+Methods run interleaved per prompt, after one warm-up generation.
+
+Writes <out>.json, <out>.md (tables) and <out>.png (extra target forwards vs the best single
+drafter, per domain, at N=8 and N=5).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import hf_specdec
+
+logger = logging.getLogger("drafter_selection")
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE / "data" / "drafter_prompts.jsonl"
+DOMAINS = ("code", "prose", "qa", "summarisation")
+BASE = ("bf16", "int8", "pld", "code-ds", "prose-ds")
+POOLS = {2: ["int8", "pld"], 4: ["int8", "pld", "code-ds", "prose-ds"], 5: list(BASE),
+         8: list(BASE) + ["layers-2", "layers-4", "license-ds"]}
+
+
+@dataclass
+class Method:
+    name: str
+    pool: int | None                 # N; None: plain generate()
+    selector: object = None          # factory of a DrafterSelector
+
+    def policy(self, k: int):
+        return hf_specdec.SpecPolicy(self.selector(), hf_specdec.FixedLength(k))
+
+
+def methods_for(pools: list[int]) -> list[Method]:
+    out = [Method("plain", None)]
+    for i, name in enumerate(BASE):
+        out.append(Method(f"single:{name}", 5, lambda i=i: hf_specdec.FixedDrafter(i)))
+    for n in pools:
+        tag = "" if n == 5 else f"@N{n}"
+        out.append(Method(f"hedgespec{tag}", n, lambda: hf_specdec.HedgeSpec(seed=0)))
+        if n == 5:
+            out += [Method("hedgespec-hedge", 5, lambda: hf_specdec.HedgeSpec(learner="hedge", seed=0)),
+                    Method("hedgespec-adanormalhedge", 5, lambda: hf_specdec.HedgeSpec(learner="adanormalhedge", seed=0)),
+                    Method("hedgespec-cost", 5, lambda: hf_specdec.HedgeSpec(cost_aware=True, seed=0)),
+                    Method("hedgespec-every2", 5, lambda: hf_specdec.HedgeSpec(feedback_every=2, seed=0)),
+                    Method("hedgespec-every4", 5, lambda: hf_specdec.HedgeSpec(feedback_every=4, seed=0))]
+        out += [Method(f"ucb{tag}", n, lambda: hf_specdec.UCBSpec()),
+                Method(f"exp3{tag}", n, lambda: hf_specdec.EXP3Spec(seed=0))]
+    return out
+
+
+def load_prompts(per_domain: int) -> list[dict]:
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    return [r for d in DOMAINS for r in [r for r in rows if r["domain"] == d][:per_domain]]
+
+
+def truncated_copy(model, layers: int) -> hf_specdec.ModelDrafter:
+    """A weak drafter: the target's first `layers` layers (agreement well below 0.5 on SmolLM2)."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    return hf_specdec.ModelDrafter(draft, name=f"layers-{layers}")
+
+
+def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: int) -> dict:
+    from pydoc_data.topics import topics
+    all_rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    held_topics = {r.get("topic") for r in all_rows}
+    held_modules = {r.get("module") for r in all_rows}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = sorted(p for p in stdlib.glob("*.py") if p.stem not in held_modules)
+    license_text = next((p for p in (stdlib / "LICENSE.txt", Path(sys.prefix) / "LICENSE.txt") if p.is_file()), None)
+    drafters = {
+        "bf16": hf_specdec.self_draft(model, "bf16"),
+        "int8": hf_specdec.self_draft(model, "int8"),
+        "pld": hf_specdec.PromptLookupDrafter(),
+        "code-ds": hf_specdec.DatastoreDrafter.from_files(sources, tokenizer, max_tokens=max_datastore_tokens,
+                                                           name="code-ds"),
+        "prose-ds": hf_specdec.DatastoreDrafter.from_texts(
+            [t for name, t in sorted(topics.items()) if name not in held_topics], tokenizer, name="prose-ds"),
+        "layers-2": truncated_copy(model, 2),
+        "layers-4": truncated_copy(model, 4),
+    }
+    drafters["license-ds"] = (hf_specdec.DatastoreDrafter.from_files([license_text], tokenizer, name="license-ds")
+                              if license_text else truncated_copy(model, 1))
+    for name, d in drafters.items():
+        if isinstance(d, hf_specdec.DatastoreDrafter):
+            logger.info("%s: %d tokens", name, len(d.corpus))
+    return drafters
+
+
+def encode(prompt: dict, tokenizer) -> dict:
+    if prompt["style"] == "chat":
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt["text"]}], tokenize=False,
+                                             add_generation_prompt=True)
+        return dict(tokenizer(text, return_tensors="pt", add_special_tokens=False))
+    return dict(tokenizer(prompt["text"], return_tensors="pt"))
+
+
+def run_one(model, inputs, method: Method, drafters: dict, args) -> dict:
+    kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    if method.pool is not None:
+        pool = [drafters[name] for name in POOLS[method.pool]]
+        kwargs.update(assistant_models=pool, spec_policy=method.policy(args.k))
+    start = time.perf_counter()
+    out = model.generate(**kwargs)
+    seconds = time.perf_counter() - start
+    new = out.sequences[0, inputs["input_ids"].shape[1]:]
+    rec = {"tokens": len(new), "seconds": seconds, "sequence": new.tolist()}
+    stats = getattr(out, "spec_stats", None)
+    if stats is not None:
+        rec.update(stats.summary())
+        rec["emitted_per_step"] = [s.emitted[0] for s in stats.steps]
+    else:
+        rec.update(target_forwards=len(new), mean_accepted_tokens=1.0)
+    return rec
+
+
+def aggregate(records: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    forwards = sum(r["target_forwards"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    out = {"tokens": tokens, "target_forwards": forwards, "seconds": round(seconds, 3),
+           "mat": round(tokens / forwards, 4), "tokens_per_s": round(tokens / seconds, 3)}
+    if "scoring_seconds" in records[0]:
+        out["scoring_share"] = round(sum(r["scoring_seconds"] for r in records) / seconds, 4)
+        counts: dict = {}
+        for r in records:
+            for name, c in r["drafter_row_steps"].items():
+                counts[name] = counts.get(name, 0) + c
+        out["drafter_steps"] = counts
+    return out
+
+
+def extra_forwards_curve(records: list[dict], best: list[dict]) -> list[int]:
+    """Summed over prompts: target forwards used to reach token t minus the best single drafter's."""
+    def forwards_at(rec):
+        if "emitted_per_step" not in rec:
+            return list(range(1, rec["tokens"] + 1))
+        out, step = [], 0
+        for emitted in rec["emitted_per_step"]:
+            step += 1
+            out += [step] * emitted
+        return out[: rec["tokens"]]
+    length = max(r["tokens"] for r in records)
+    total = [0] * length
+    for rec, ref in zip(records, best):
+        a, b = forwards_at(rec), forwards_at(ref)
+        for t in range(length):
+            total[t] += a[min(t, len(a) - 1)] - b[min(t, len(b) - 1)]
+    return total
+
+
+def summarize(runs: dict, prompts: list[dict], methods: list[Method]) -> dict:
+    groups = {d: [i for i, p in enumerate(prompts) if p["domain"] == d] for d in DOMAINS}
+    groups["mixed"] = list(range(len(prompts)))
+    table = {}
+    for group, idx in groups.items():
+        if not idx:
+            continue
+        rows = {m.name: aggregate([runs[m.name][i] for i in idx]) for m in methods}
+        plain = rows["plain"]["tokens_per_s"]
+        for r in rows.values():
+            r["vs_plain"] = round(r["tokens_per_s"] / plain, 3)
+        singles = {n: r for n, r in rows.items() if n.startswith("single:")}
+        best = max(singles, key=lambda n: singles[n]["mat"])
+        table[group] = {"methods": rows, "best_single": best}
+    targets = {}
+    for group, entry in table.items():
+        rows, best = entry["methods"], entry["best_single"]
+        targets[f"{group}: hedgespec MAT / best single ({best})"] = round(
+            rows["hedgespec"]["mat"] / rows[best]["mat"], 3)
+    if "mixed" in table:
+        rows = table["mixed"]["methods"]
+        for tag in ("@N8", "@N4", "@N2", ""):
+            if f"hedgespec{tag}" in rows:
+                for baseline in ("ucb", "exp3"):
+                    targets[f"mixed: hedgespec{tag} MAT / {baseline}{tag}"] = round(
+                        rows[f"hedgespec{tag}"]["mat"] / rows[f"{baseline}{tag}"]["mat"], 3)
+    return {"groups": table, "targets": targets}
+
+
+def markdown(summary: dict, args) -> str:
+    lines = [f"# Drafter selection: SmolLM2-135M fp32, greedy, k={args.k}, {args.max_new_tokens} new tokens, "
+             f"{args.per_domain} prompt(s) per domain", ""]
+    for group, entry in summary["groups"].items():
+        lines += [f"## {group} (best single drafter by MAT: {entry['best_single']})", "",
+                  "| method | MAT | tok/s | vs plain | target fwd | scoring share | drafter row-steps |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for name, r in entry["methods"].items():
+            steps = ", ".join(f"{k}:{v}" for k, v in sorted(r.get("drafter_steps", {}).items(), key=lambda x: -x[1]))
+            share = f"{r['scoring_share']:.2f}" if "scoring_share" in r else ""
+            lines.append(f"| {name} | {r['mat']:.2f} | {r['tokens_per_s']:.2f} | {r['vs_plain']:.2f}x | "
+                         f"{r['target_forwards']} | {share} | {steps} |")
+        lines.append("")
+    lines += ["## Targets", "", "| check | ratio |", "|---|---:|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in summary["targets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, prompts: list[dict], methods: list[Method], summary: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = [g for g in (*DOMAINS, "mixed") if g in summary["groups"]]
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        idx = [i for i, p in enumerate(prompts) if group == "mixed" or p["domain"] == group]
+        best = summary["groups"][group]["best_single"]
+        for m in methods:
+            if m.name in ("hedgespec", "ucb", "exp3", "hedgespec@N8", "ucb@N8", "exp3@N8"):
+                curve = extra_forwards_curve([runs[m.name][i] for i in idx], [runs[best][i] for i in idx])
+                ax.plot(range(1, len(curve) + 1), curve, label=m.name, linestyle="-" if "@N8" in m.name else "--")
+        ax.set_title(f"{group} (vs {best})")
+        ax.set_xlabel("tokens generated (per prompt)")
+        ax.axhline(0, color="grey", linewidth=0.5)
+    axes[0][0].set_ylabel("extra target forwards (summed)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--per-domain", type=int, default=2, help="prompts per domain (<= 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--k", type=int, default=4, help="draft length for every method")
+    parser.add_argument("--pools", default="2,4,5,8", help="pool sizes N to run HedgeSpec/UCB/EXP3 on")
+    parser.add_argument("--methods", default=None, help="comma-separated subset of method names")
+    parser.add_argument("--max-datastore-tokens", type=int, default=1_000_000)
+    parser.add_argument("--out", default="results/drafter_selection")
+    args = parser.parse_args(argv)
+    pools = [int(x) for x in args.pools.split(",")]
+    if not set(pools) <= set(POOLS) or 5 not in pools:
+        raise ValueError(f"--pools must be a subset of {sorted(POOLS)} that includes 5, got {args.pools!r}")
+    if not 1 <= args.per_domain <= 8:
+        raise ValueError(f"--per-domain must be in 1..8, got {args.per_domain}")
+    methods = methods_for(pools)
+    if args.methods:
+        wanted = set(args.methods.split(",")) | {"plain"} | {f"single:{b}" for b in BASE} | {"hedgespec"}
+        methods = [m for m in methods if m.name in wanted]
+
+    from hf_specdec.embedded import load_smollm2
+    model, tokenizer = load_smollm2()
+    hf_specdec.enable(model)
+    prompts = load_prompts(args.per_domain)
+    drafters = build_drafters(model, tokenizer, prompts, args.max_datastore_tokens)
+    encoded = [encode(p, tokenizer) for p in prompts]
+    run_one(model, encoded[0], methods[-1], drafters, argparse.Namespace(max_new_tokens=8, k=args.k))  # warm-up
+
+    runs = {m.name: [] for m in methods}
+    mismatches = []
+    for i, inputs in enumerate(tqdm(encoded, desc="prompts")):
+        for m in methods:
+            rec = run_one(model, inputs, m, drafters, args)
+            if m.name != "plain" and rec["sequence"] != runs["plain"][i]["sequence"]:
+                mismatches.append((m.name, prompts[i]["id"]))
+            runs[m.name].append(rec)
+    if mismatches:
+        raise AssertionError(f"outputs differ from plain generate(): {mismatches}")
+    summary = summarize(runs, prompts, methods)
+    summary.update(args=vars(args), prompts=[p["id"] for p in prompts], identical_to_plain=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": {
+        name: [{k: v for k, v in r.items() if k != "sequence"} for r in recs] for name, recs in runs.items()}}, indent=1))
+    out.with_suffix(".md").write_text(markdown(summary, args))
+    plot(runs, prompts, methods, summary, out.with_suffix(".png"))
+    logger.info("wrote %s.{json,md,png}", out)
+    print(markdown(summary, args))
+    return summary
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    main()
