@@ -79,7 +79,7 @@ def test_distribution_matches_target_with_per_row_drafters(setup):
     """HedgeSpec draws each row's drafter: one verify call mixes model q and point masses."""
     target, draft, prompt, exact = setup
     pool = [draft, hf_specdec.PromptLookupDrafter(max_ngram=1)]
-    policy = hf_specdec.SpecPolicy(hf_specdec.HedgeSpec(seed=3), hf_specdec.FixedLength(1))
+    policy = hf_specdec.SpecPolicy(hf_specdec.HedgeSpec(seed=3, prompt_positions=0), hf_specdec.FixedLength(1))
     tv = 0.5 * (empirical(target, pool, prompt, N, seed=1, policy=policy) - exact).abs().sum()
     assert tv < TV_BOUND, f"TV {tv:.4f}"
     out = spec(target, pool, policy, input_ids=prompt.repeat(200, 1), max_new_tokens=2, eos_token_id=None,
