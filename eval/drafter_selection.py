@@ -50,9 +50,12 @@ class Method:
     name: str
     pool: int | None                 # N; None: plain generate()
     selector: object = None          # factory of a DrafterSelector
+    instance: object = None          # one selector for all prompts: learners restart per request,
+                                     # measured timings carry over
 
     def policy(self, k: int):
-        return hf_specdec.SpecPolicy(self.selector(), hf_specdec.FixedLength(k))
+        self.instance = self.instance or self.selector()
+        return hf_specdec.SpecPolicy(self.instance, hf_specdec.FixedLength(k))
 
 
 def methods_for(pools: list[int]) -> list[Method]:
@@ -62,6 +65,8 @@ def methods_for(pools: list[int]) -> list[Method]:
     for n in pools:
         tag = "" if n == 5 else f"@N{n}"
         out.append(Method(f"hedgespec{tag}", n, lambda: hf_specdec.HedgeSpec(seed=0)))
+        if n in (5, 8):   # without our prompt warm start: the paper's cold start
+            out.append(Method(f"hedgespec-cold{tag}", n, lambda: hf_specdec.HedgeSpec(prompt_positions=0, seed=0)))
         if n == 5:
             out += [Method("hedgespec-hedge", 5, lambda: hf_specdec.HedgeSpec(learner="hedge", seed=0)),
                     Method("hedgespec-adanormalhedge", 5, lambda: hf_specdec.HedgeSpec(learner="adanormalhedge", seed=0)),
@@ -232,7 +237,8 @@ def plot(runs: dict, prompts: list[dict], methods: list[Method], summary: dict, 
         idx = [i for i, p in enumerate(prompts) if group == "mixed" or p["domain"] == group]
         best = summary["groups"][group]["best_single"]
         for m in methods:
-            if m.name in ("hedgespec", "ucb", "exp3", "hedgespec@N8", "ucb@N8", "exp3@N8"):
+            if m.name in ("hedgespec", "hedgespec-cold", "ucb", "exp3", "hedgespec@N8", "hedgespec-cold@N8",
+                          "ucb@N8", "exp3@N8"):
                 curve = extra_forwards_curve([runs[m.name][i] for i in idx], [runs[best][i] for i in idx])
                 ax.plot(range(1, len(curve) + 1), curve, label=m.name, linestyle="-" if "@N8" in m.name else "--")
         ax.set_title(f"{group} (vs {best})")
@@ -245,6 +251,53 @@ def plot(runs: dict, prompts: list[dict], methods: list[Method], summary: dict, 
     plt.close(fig)
 
 
+def cost_case(k: int = 4, new_tokens: int = 64, prompts: int = 4) -> dict:
+    """Where time, not acceptance, decides: an exact-but-expensive drafter (a full copy of the
+    target) against a cheap, slightly noisy one (the 1-layer exact draft of
+    hf_specdec.testing.exact_cheap_pair plus noise). MAT-HedgeSpec prefers the copy; cost-aware
+    HedgeSpec, weighing measured cost, the cheap drafter. Greedy, batch 1, interleaved."""
+    from hf_specdec.testing import exact_cheap_pair, noisy_copy
+    target, cheap = exact_cheap_pair()
+    pool = [hf_specdec.ModelDrafter(copy.deepcopy(target), name="exact-copy"),
+            hf_specdec.ModelDrafter(noisy_copy(cheap, 0.015), name="cheap-noisy")]
+    ids = torch.randint(3, target.config.vocab_size, (prompts, 32), generator=torch.Generator().manual_seed(0))
+    methods = {"plain": None, "single:exact-copy": hf_specdec.FixedDrafter(0),
+               "single:cheap-noisy": hf_specdec.FixedDrafter(1),
+               "hedgespec": hf_specdec.HedgeSpec(seed=0), "hedgespec-cost": hf_specdec.HedgeSpec(cost_aware=True, seed=0),
+               "hedgespec-cost-every4": hf_specdec.HedgeSpec(cost_aware=True, feedback_every=4, seed=0),
+               "hedgespec-cost-every8": hf_specdec.HedgeSpec(cost_aware=True, feedback_every=8, seed=0)}
+    totals = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "steps": {}} for m in methods}
+    for i in range(prompts):
+        for name, sel in methods.items():
+            kwargs = dict(input_ids=ids[i:i + 1], max_new_tokens=new_tokens, do_sample=False,
+                          return_dict_in_generate=True, custom_generate=hf_specdec.generate if sel else None)
+            if sel is not None:
+                kwargs.update(assistant_models=pool, spec_policy=hf_specdec.SpecPolicy(sel, hf_specdec.FixedLength(k)))
+            start = time.perf_counter()
+            out = target.generate(**{k_: v for k_, v in kwargs.items() if v is not None})
+            t = totals[name]
+            t["seconds"] += time.perf_counter() - start
+            tokens = out.sequences.shape[1] - ids.shape[1]
+            t["tokens"] += tokens
+            stats = getattr(out, "spec_stats", None)
+            t["forwards"] += stats.target_forwards if stats else tokens
+            for d, c in (stats.drafter_row_steps() if stats else {}).items():
+                t["steps"][d] = t["steps"].get(d, 0) + c
+    plain = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    return {name: {"mat": round(t["tokens"] / t["forwards"], 3), "tokens_per_s": round(t["tokens"] / t["seconds"], 1),
+                   "vs_plain": round(t["tokens"] / t["seconds"] / plain, 3), "drafter_steps": t["steps"]}
+            for name, t in totals.items()}
+
+
+def cost_markdown(case: dict) -> str:
+    lines = ["## Cost-aware case (tiny exact-and-cheap models: exact full copy vs cheap noisy 1-layer drafter)", "",
+             "| method | MAT | tok/s | vs plain | drafter row-steps |", "|---|---:|---:|---:|---|"]
+    for name, r in case.items():
+        steps = ", ".join(f"{k}:{v}" for k, v in sorted(r["drafter_steps"].items(), key=lambda x: -x[1]))
+        lines.append(f"| {name} | {r['mat']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | {steps} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-domain", type=int, default=2, help="prompts per domain (<= 8)")
@@ -254,7 +307,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", default=None, help="comma-separated subset of method names")
     parser.add_argument("--max-datastore-tokens", type=int, default=1_000_000)
     parser.add_argument("--out", default="results/drafter_selection")
+    parser.add_argument("--only-cost-case", action="store_true",
+                        help="run only the cost-aware case on tiny models (seconds) and write <out>-cost.{json,md}")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only_cost_case:
+        case = cost_case(args.k)
+        Path(f"{out}-cost.json").write_text(json.dumps(case, indent=1))
+        Path(f"{out}-cost.md").write_text(cost_markdown(case))
+        print(cost_markdown(case))
+        return case
     pools = [int(x) for x in args.pools.split(",")]
     if not set(pools) <= set(POOLS) or 5 not in pools:
         raise ValueError(f"--pools must be a subset of {sorted(POOLS)} that includes 5, got {args.pools!r}")
@@ -285,8 +348,6 @@ def main(argv=None) -> dict:
         raise AssertionError(f"outputs differ from plain generate(): {mismatches}")
     summary = summarize(runs, prompts, methods)
     summary.update(args=vars(args), prompts=[p["id"] for p in prompts], identical_to_plain=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": {
         name: [{k: v for k, v in r.items() if k != "sequence"} for r in recs] for name, recs in runs.items()}}, indent=1))
     out.with_suffix(".md").write_text(markdown(summary, args))

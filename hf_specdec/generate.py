@@ -268,7 +268,13 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only targets; got an encoder-decoder model "
                          f"({type(model).__name__})")
-    return _check_drafters(model, assistant_models), resolve_policy(spec_policy)
+    drafters, policy = _check_drafters(model, assistant_models), resolve_policy(spec_policy)
+    if policy.wants_feedback(0) or policy.selector.prompt_positions:
+        blind = [i for i, d in enumerate(drafters) if type(d).replay is Drafter.replay]
+        if blind:
+            raise ValueError(f"{policy.selector!r} scores every drafter, but assistant_models{blind} do not "
+                             "implement Drafter.replay; use a selector without full-information feedback")
+    return drafters, policy
 
 
 def _check_drafters(model, assistant_models) -> list[Drafter]:

@@ -171,3 +171,16 @@ def test_selector_with_a_bad_choice_is_refused(models):
             return [0]                                           # one index for a batch of 2
     with pytest.raises(ValueError, match="one per active row"):
         spec(models[0], [models[1]], Broken(), input_ids=torch.tensor([[1, 2], [3, 4]]), max_new_tokens=3)
+
+
+def test_drafter_without_replay_is_refused_before_any_work(models):
+    class Blind(hf_specdec.Drafter):
+        def propose(self, batch, k):
+            raise AssertionError("must not be reached")
+    with pytest.raises(ValueError, match=r"assistant_models\[1\] do not implement Drafter.replay"):
+        spec(models[0], [models[1], Blind()], hf_specdec.HedgeSpec(), input_ids=torch.tensor([[1, 2, 3]]),
+             max_new_tokens=3)
+    # selectors without full-information feedback accept it
+    out = spec(models[0], [models[1], Blind()], hf_specdec.FixedDrafter(0), input_ids=torch.tensor([[1, 2, 3]]),
+               max_new_tokens=3)
+    assert out.shape == (1, 6)

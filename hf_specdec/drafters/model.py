@@ -98,10 +98,10 @@ class ModelDrafter(Drafter):
 
     def select_rows(self, keep):
         self.runner.select_rows(keep)
-        on = keep.to(self.runner.device)
+        # logits live on the batch's device, like `keep`
         if self._head is not None:
-            self._head = self._head[on]
+            self._head = self._head[keep]
         if self._known is not None:
-            self._known = self._known[on]
+            self._known = self._known[keep]
         if self._known_count is not None:
             self._known_count, self._known_start = self._known_count[keep], self._known_start[keep]

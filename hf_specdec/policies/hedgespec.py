@@ -65,21 +65,27 @@ class HedgeSpec(DrafterSelector):
         self.depth, self.cost_aware, self.feedback_every = depth, cost_aware, feedback_every
         self.rng = random.Random(seed)
         self.trace: list[tuple[int, int, list[float]]] = []  # (step, row, weights) per decision
-
-    def begin(self, ctx: StepContext) -> None:
-        self.num_drafters = ctx.num_drafters
-        self.learners: dict[int, Learner] = {r: LEARNERS[self.learner_name](ctx.num_drafters) for r in ctx.rows}
-        self.queues: dict[int, DelayedFeedback] = {}
+        # timings describe the models and the machine, not a request: they carry over between calls
         self.verify_cost = None                         # EMA seconds of one verification
         self.draft_cost: dict[int, float] = {}          # EMA seconds per drafted token, by drafter
         self.replay_cost: dict[int, float] = {}         # EMA seconds of a scoring pass (fallback)
+        self.last_k = None
+        self.num_drafters_seen = None
+
+    def begin(self, ctx: StepContext) -> None:
+        if self.num_drafters_seen not in (None, ctx.num_drafters):
+            self.verify_cost, self.draft_cost, self.replay_cost = None, {}, {}   # another pool
+        self.num_drafters = self.num_drafters_seen = ctx.num_drafters
+        self.learners: dict[int, Learner] = {r: LEARNERS[self.learner_name](ctx.num_drafters) for r in ctx.rows}
+        self.queues: dict[int, DelayedFeedback] = {}
         self.trace = []
 
     def prime(self, gammas: dict[int, list[list[float]]]) -> None:
         """Acceptance-probability losses on the last prompt positions: the first choice is informed."""
+        depth = self.depth or self.last_k or _DEFAULT_DEPTH
         for row, per_position in gammas.items():
             for gamma in per_position:
-                self.learners[row].update([1.0 - g for g in gamma])
+                self.learners[row].update(self._losses("prob", gamma, depth))
 
     def wants_feedback(self, step: int) -> bool:
         return step < self.warmup_steps or step % self.feedback_every == 0
@@ -129,6 +135,7 @@ class HedgeSpec(DrafterSelector):
 
     def _observe_costs(self, record: StepRecord) -> None:
         if record.k:
+            self.last_k = record.k
             self.verify_cost = _ema(self.verify_cost, record.verify_s)
             for i, seconds in record.drafter_s.items():
                 self.draft_cost[i] = _ema(self.draft_cost.get(i), seconds / record.k)

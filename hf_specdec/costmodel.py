@@ -1,0 +1,109 @@
+"""Latency models for length policies: forward time per model, and the switching cost table.
+
+AdaSpec's model of one forward pass of a batch: T = alpha * N_context + gamma * N_batch_tokens +
+delta (seconds), N_context = context tokens summed over the batch's rows, N_batch_tokens = new
+tokens fed in this forward. Nightjar's switching cost C(L_max, B): the time of the catch-up
+forward that feeds a draft model the L_max tokens it missed while speculation was off, for B
+rows. Both are measured by `profile()` (`python -m hf_specdec profile ...`) and saved as JSON.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+
+@dataclass
+class LatencyModel:
+    alpha: float   # seconds per context token (summed over rows)
+    gamma: float   # seconds per new token in the forward (summed over rows)
+    delta: float   # fixed seconds per forward
+
+    def __post_init__(self):
+        for name in ("alpha", "gamma", "delta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"LatencyModel.{name} must be a finite number >= 0, got {value!r}")
+
+    def forward_time(self, context_tokens: float, batch_tokens: float) -> float:
+        return self.alpha * context_tokens + self.gamma * batch_tokens + self.delta
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float, float]]) -> "LatencyModel":
+        """Least squares over (N_context, N_batch_tokens, seconds) samples; coefficients clipped at 0."""
+        if len(samples) < 3:
+            raise ValueError(f"LatencyModel.fit needs at least 3 samples, got {len(samples)}")
+        import torch
+        x = torch.tensor([[c, b, 1.0] for c, b, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y).solution.flatten().clamp(min=0).tolist()
+        return cls(*coef)
+
+
+@dataclass
+class SwitchCostTable:
+    """C(L_max, B) in seconds on a grid, bilinear in between, clamped at the edges."""
+
+    lags: list[int]
+    batch_sizes: list[int]
+    seconds: list[list[float]]   # [len(lags)][len(batch_sizes)]
+
+    def __post_init__(self):
+        for name in ("lags", "batch_sizes"):
+            axis = getattr(self, name)
+            if not axis or sorted(set(axis)) != list(axis) or any(not isinstance(v, int) or v < 0 for v in axis):
+                raise ValueError(f"SwitchCostTable.{name} must be strictly increasing integers >= 0, got {axis!r}")
+        if len(self.seconds) != len(self.lags) or any(len(r) != len(self.batch_sizes) for r in self.seconds):
+            raise ValueError(f"SwitchCostTable.seconds must be {len(self.lags)} x {len(self.batch_sizes)}")
+        if any(not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 for r in self.seconds for v in r):
+            raise ValueError("SwitchCostTable.seconds must hold finite numbers >= 0")
+
+    def __call__(self, lag: float, batch_size: float) -> float:
+        if lag <= 0:
+            return 0.0
+        (i0, i1, u), (j0, j1, v) = _bracket(self.lags, lag), _bracket(self.batch_sizes, batch_size)
+        s = self.seconds
+        return ((1 - u) * ((1 - v) * s[i0][j0] + v * s[i0][j1]) + u * ((1 - v) * s[i1][j0] + v * s[i1][j1]))
+
+
+def _bracket(axis: list[int], x: float) -> tuple[int, int, float]:
+    """Indices around x on `axis` and the interpolation weight of the upper one (clamped)."""
+    if x <= axis[0]:
+        return 0, 0, 0.0
+    if x >= axis[-1]:
+        last = len(axis) - 1
+        return last, last, 0.0
+    hi = bisect.bisect_right(axis, x)
+    lo = hi - 1
+    return lo, hi, (x - axis[lo]) / (axis[hi] - axis[lo])
+
+
+@dataclass
+class CostProfile:
+    """What the profiler measured: the target's and the draft's latency models and the draft's
+    switching-cost table."""
+
+    target: LatencyModel
+    draft: LatencyModel
+    switch: SwitchCostTable
+    meta: dict = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostProfile":
+        """Read a profile JSON; a malformed file raises ValueError naming what is wrong."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read cost profile {path}: {e}") from e
+        try:
+            return cls(LatencyModel(**data["target"]), LatencyModel(**data["draft"]),
+                       SwitchCostTable(**data["switch"]), data.get("meta", {}))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"cost profile {path} is malformed ({e!r}); expected keys target, draft "
+                             "(alpha, gamma, delta) and switch (lags, batch_sizes, seconds)") from e
