@@ -8,11 +8,14 @@
 from .drafters import DatastoreDrafter, Drafter, ModelDrafter, PromptLookupDrafter, self_draft
 from .enable import disable, enable
 from .generate import generate
-from .policies import EXP3Spec, FixedDrafter, FixedLength, HedgeSpec, SpecPolicy, UCBSpec
+from .costmodel import CostProfile, LatencyModel, SwitchCostTable
+from .policies import (AdaSpec, ConfidenceThreshold, DSDGoodput, EXP3Spec, FixedDrafter, FixedLength, HedgeSpec,
+                       HFHeuristic, Nightjar, SpecPolicy, UCBSpec)
 from .stats import SpecStats, StepRecord
 from .verify import VerifyResult, verify
 
-__all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "FixedDrafter", "HedgeSpec",
+__all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold",
+           "Nightjar", "AdaSpec", "DSDGoodput", "CostProfile", "LatencyModel", "SwitchCostTable", "FixedDrafter", "HedgeSpec",
            "UCBSpec", "EXP3Spec", "Drafter", "ModelDrafter", "PromptLookupDrafter", "DatastoreDrafter", "self_draft", "SpecStats", "StepRecord", "verify",
            "VerifyResult"]
 __version__ = "0.1.0"

@@ -107,3 +107,55 @@ class CostProfile:
         except (KeyError, TypeError) as e:
             raise ValueError(f"cost profile {path} is malformed ({e!r}); expected keys target, draft "
                              "(alpha, gamma, delta) and switch (lags, batch_sizes, seconds)") from e
+
+
+def _time_forward(model, ids, context: int, width: int, repeats: int) -> float:
+    """Median seconds of one forward feeding `width` tokens per row after `context` cached ones."""
+    import statistics
+    import time
+
+    import torch
+
+    from . import _compat
+    cache = _compat.new_cache(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(input_ids=ids[:, context: context + width], past_key_values=cache, use_cache=True)
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            _compat.crop(cache, width)
+    return statistics.median(times)
+
+
+def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths: Sequence[int] = (1, 3, 5, 8),
+            contexts: Sequence[int] = (32, 128, 256), lags: Sequence[int] = (1, 4, 16, 64),
+            repeats: int = 3, progress: bool = True) -> CostProfile:
+    """Measure forward times of `target` and `draft` (torch modules, same vocabulary) over batch
+    sizes x tokens per row x context lengths, fit a LatencyModel to each, and tabulate the draft's
+    catch-up time C(L, B) at the shortest context."""
+    import torch
+    from tqdm.auto import tqdm
+
+    vocab = min(target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size)
+    longest = max(contexts) + max(max(widths), max(lags))
+    grid = [(b, c) for b in batch_sizes for c in contexts]
+    samples = {"target": [], "draft": []}
+    switch = {}
+    device = next(target.parameters()).device
+    for b, c in tqdm(grid, desc="profiling", disable=not progress):
+        ids = torch.randint(3, vocab, (b, longest), generator=torch.Generator().manual_seed(b * 1000 + c)).to(device)
+        for name, model in (("target", target), ("draft", draft)):
+            for w in widths:
+                samples[name].append((b * c, b * w, _time_forward(model, ids, c, w, repeats)))
+        if c == min(contexts):
+            for lag in lags:
+                switch[lag, b] = _time_forward(draft, ids, c, lag, repeats)
+    table = SwitchCostTable(sorted(lags), sorted(batch_sizes),
+                            [[switch[lag, b] for b in sorted(batch_sizes)] for lag in sorted(lags)])
+    meta = {"batch_sizes": list(batch_sizes), "widths": list(widths), "contexts": list(contexts),
+            "repeats": repeats, "device": str(device), "samples": samples}
+    return CostProfile(LatencyModel.fit(samples["target"]), LatencyModel.fit(samples["draft"]), table, meta)

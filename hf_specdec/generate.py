@@ -17,8 +17,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from . import _compat
 from . import verify as verify_module
 from .cached_model import CachedModel
-from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
-from .policies import SpecPolicy, StepContext, resolve_policy
+from .drafters import Drafter, ModelDrafter, Proposal, as_drafter, output_vocab_size
+from .policies import LengthPolicy, SpecPolicy, StepContext, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
 from .sequences import SequenceBatch
@@ -84,6 +84,10 @@ class _Loop:
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+        # call the length policy's drafting hooks only when it has them (they cost a sync per token)
+        length_type = type(policy.length)
+        self._controls = length_type.continue_drafting is not LengthPolicy.continue_drafting
+        self._trims = length_type.verify_lengths is not LengthPolicy.verify_lengths
 
     def run(self) -> SpecStats:
         names = [d.name for d in self.drafters]
@@ -117,7 +121,11 @@ class _Loop:
         return time.perf_counter() - t0
 
     def context(self, step: int) -> StepContext:
-        return StepContext(step, len(self.batch.active), len(self.drafters), self.batch.active.tolist())
+        batch, rows = self.batch, self.batch.active
+        lags = [int(d.runner.lag(batch).max()) for d in self.drafters if isinstance(d, ModelDrafter)]
+        return StepContext(step, len(rows), len(self.drafters), rows.tolist(),
+                           context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()),
+                           max_lag=max(lags, default=0))
 
     def step(self, index: int) -> StepRecord:
         batch, rows = self.batch, self.batch.active
@@ -133,6 +141,10 @@ class _Loop:
         if k:
             proposal = self.propose(choice, k, drafter_s)
             draft_lens = torch.minimum(proposal.lengths, room)
+            if self._trims and proposal.confidence is not None:
+                confidence = [c[:n] for c, n in zip(proposal.confidence.tolist(), draft_lens.tolist())]
+                wanted = torch.tensor(self.policy.length.verify_lengths(confidence), device=draft_lens.device)
+                draft_lens = torch.minimum(draft_lens, wanted.clamp(min=0))
             # verify only as many positions as the longest proposal (n-gram drafters may find nothing)
             width = int(draft_lens.max())
             draft_tokens = proposal.tokens[:, :width]
@@ -175,7 +187,10 @@ class _Loop:
         proposals = {}
         for d in sorted(set(choice)):
             t = time.perf_counter()
-            proposals[d] = self.drafters[d].propose(self.batch, k)
+            if self._controls:
+                proposals[d] = self.drafters[d].propose(self.batch, k, self.policy.length.continue_drafting)
+            else:
+                proposals[d] = self.drafters[d].propose(self.batch, k)
             self._sync()
             drafter_s[d] = time.perf_counter() - t
         if len(proposals) == 1:
@@ -183,15 +198,19 @@ class _Loop:
         pick = torch.tensor([sorted(proposals).index(d) for d in choice], device=self.batch.tokens.device)
         rows = torch.arange(len(choice), device=pick.device)
         parts = [proposals[d] for d in sorted(proposals)]
+        width = max(p.tokens.shape[1] for p in parts)            # drafters may stop at different lengths
+        parts = [_pad_proposal(p, width) for p in parts]
         tokens = torch.stack([p.tokens for p in parts])[pick, rows]
         lengths = torch.stack([p.lengths for p in parts])[pick, rows]
+        confidence = torch.stack([p.confidence if p.confidence is not None else torch.ones_like(p.tokens, dtype=torch.float)
+                                  for p in parts])[pick, rows]
         probs = None
         if any(p.probs is not None for p in parts):   # point masses as one-hot rows next to real q
             vocab = next(p.probs.shape[-1] for p in parts if p.probs is not None)
             dense = [p.probs if p.probs is not None else
                      torch.nn.functional.one_hot(p.tokens, vocab).float() for p in parts]
             probs = torch.stack(dense)[pick, rows]
-        return Proposal(tokens, lengths, probs)
+        return Proposal(tokens, lengths, probs, confidence)
 
     def feedback(self, record: StepRecord, start: torch.Tensor, target_scores: torch.Tensor) -> None:
         """Score every drafter on the positions this step verified (full-information feedback)."""
@@ -252,6 +271,13 @@ class _Loop:
         self.streamed = max(self.streamed, end)
         if final:
             self.streamer.end()
+
+
+def _pad_proposal(p: Proposal, width: int) -> Proposal:
+    """The same proposal with its [n, k'] tensors zero-padded to k' = width (lengths unchanged)."""
+    def pad(t):
+        return None if t is None else torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, width - t.shape[1]))
+    return Proposal(pad(p.tokens), p.lengths, pad(p.probs), pad(p.confidence))
 
 
 def _per_row_choice(drafter, n: int, num_drafters: int) -> list[int]:

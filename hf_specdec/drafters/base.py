@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,6 +25,11 @@ class Proposal:
     tokens: torch.Tensor              # [n, k] draft tokens of the active rows
     lengths: torch.Tensor             # [n] row b proposes tokens[b, :lengths[b]]
     probs: torch.Tensor | None = None  # [n, k, vocab] processed draft distributions; None = point mass
+    confidence: torch.Tensor | None = None  # [n, k] drafter's probability of each token; None = 1
+
+
+# A length policy's `continue_drafting`: confidences [row][draft] so far -> per row, draft more?
+Controller = Callable[[list[list[float]]], list[bool]]
 
 
 class Drafter:
@@ -40,7 +46,9 @@ class Drafter:
     def begin(self, batch: SequenceBatch, sampler: TokenSampler) -> None:
         self.sampler = sampler
 
-    def propose(self, batch: SequenceBatch, k: int) -> Proposal:
+    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
+        """Up to k drafts per active row; a drafter with confidences consults `controller` after
+        each drafted token and stops rows (or the whole drafting) early."""
         raise NotImplementedError
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
@@ -62,7 +70,7 @@ class LookupDrafter(Drafter):
         """Up to k tokens [<= k] to follow the row's tokens `seq` [length] (no padding)."""
         raise NotImplementedError
 
-    def propose(self, batch: SequenceBatch, k: int) -> Proposal:
+    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         rows = batch.active
         tokens = torch.zeros(len(rows), k, dtype=torch.long, device=batch.tokens.device)
         lengths = torch.zeros(len(rows), dtype=torch.long, device=batch.tokens.device)

@@ -5,7 +5,7 @@ import torch
 
 from ..cached_model import CachedModel
 from ..sequences import SequenceBatch
-from .base import Drafter, Prediction, Proposal
+from .base import Controller, Drafter, Prediction, Proposal
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -34,7 +34,7 @@ class ModelDrafter(Drafter):
         #   _head [n, vocab]: predicts position lengths[b], valid while the drafter has no lag
         self._known = self._known_count = self._known_start = self._head = None
 
-    def propose(self, batch: SequenceBatch, k: int) -> Proposal:
+    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         rows = batch.active
         start = batch.lengths[rows]
         if self._head is not None and int(self.runner.lag(batch).max()) == 0:
@@ -44,22 +44,32 @@ class ModelDrafter(Drafter):
             logits = self.runner.forward(tokens, real, keep=1)
         self._head = None
         self._spec_start = self.runner.num_slots
-        drafts, probs, seen = [], [], []
+        lengths = torch.full_like(start, k)
+        alive = torch.ones_like(start, dtype=torch.bool)
+        drafts, probs, seen, confidence = [], [], [], []
         for j in range(k):
             seen.append(logits[:, 0])
             scores = self.sampler.scores(batch, logits, offset=j)[:, 0]   # [n, vocab]
             token = self.sampler.pick(scores)
+            dist = self.sampler.probs(scores)
             if self.sampler.do_sample:
-                probs.append(self.sampler.probs(scores))
+                probs.append(dist)
+            confidence.append(dist.gather(1, token[:, None]).squeeze(1))
             batch.tokens[rows, start + j] = token         # processors of position j+1 read it
             drafts.append(token)
+            if controller is not None and j < k - 1:
+                more = torch.tensor(controller(torch.stack(confidence, 1).tolist()), device=alive.device)
+                lengths = torch.where(alive & ~more, j + 1, lengths)
+                alive &= more
+                if not bool(alive.any()):
+                    break
             if j < k - 1:
                 logits = self.runner.forward(token[:, None], torch.ones_like(token[:, None], dtype=torch.bool), 1)
-        self._fed_drafts = k - 1                         # the last draft was never fed
-        self._known = torch.stack(seen, 1)               # [n, k, vocab] predicts start .. start+k-1
+        self._fed_drafts = len(drafts) - 1               # the last draft was never fed
+        self._known = torch.stack(seen, 1)               # [n, k', vocab] predicts start .. start+k'-1
         self._known_start = start.clone()
-        return Proposal(torch.stack(drafts, 1), torch.full_like(start, k),
-                        torch.stack(probs, 1) if probs else None)
+        return Proposal(torch.stack(drafts, 1), lengths.clamp(max=len(drafts)),
+                        torch.stack(probs, 1) if probs else None, torch.stack(confidence, 1))
 
     def accepted(self, num_accepted):
         kept = num_accepted.clamp(max=self._fed_drafts)

@@ -6,10 +6,13 @@ from .bandit import EXP3Spec, UCBSpec
 from .base import Decision, DrafterSelector, LengthPolicy, StepContext
 from .hedgespec import HedgeSpec
 from .learners import AdaNormalHedge, Hedge, NormalHedge
-from .length import FixedLength
+from .goodput import AdaSpec, DSDGoodput
+from .length import ConfidenceThreshold, FixedLength, HFHeuristic
+from .nightjar import Nightjar
 from .selection import FixedDrafter
 
-__all__ = ["SpecPolicy", "FixedLength", "FixedDrafter", "HedgeSpec", "UCBSpec", "EXP3Spec", "Decision",
+__all__ = ["SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold", "Nightjar", "AdaSpec", "DSDGoodput",
+           "FixedDrafter", "HedgeSpec", "UCBSpec", "EXP3Spec", "Decision",
            "StepContext", "LengthPolicy", "DrafterSelector", "resolve_policy", "NormalHedge", "Hedge",
            "AdaNormalHedge"]
 
@@ -45,7 +48,7 @@ class SpecPolicy:
         return f"SpecPolicy(selector={self.selector!r}, length={self.length!r})"
 
 
-_SHORTCUTS = {"fixed": FixedLength}                                     # take an optional ":<k>"
+_SHORTCUTS = {"fixed": FixedLength, "nightjar": Nightjar}              # take an optional ":<k>"
 _SELECTORS = {"hedgespec": HedgeSpec, "ucb": UCBSpec, "exp3": EXP3Spec}
 
 

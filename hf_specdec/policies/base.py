@@ -21,6 +21,8 @@ class StepContext:
     batch_size: int        # active rows
     num_drafters: int
     rows: list[int] = field(default_factory=list)  # original batch index of each active row
+    context_tokens: int = 0   # real tokens held by the active rows (prompt + output so far)
+    max_lag: int = 0          # largest per-row lag of any model drafter (tokens it must catch up)
 
 
 @dataclass
@@ -30,11 +32,24 @@ class Decision:
 
 
 class LengthPolicy:
+    """`choose` the step's maximal draft length k; while drafting, `continue_drafting` may stop
+    rows early; before verification, `verify_lengths` may drop tail drafts of any row."""
+
     def begin(self, ctx: StepContext) -> None:
         """A generate() call starts (ctx.step == 0); reset per-call state."""
 
     def choose(self, ctx: StepContext) -> int:
         raise NotImplementedError
+
+    def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
+        """After each drafted token: per row, draft another? `confidences[b][j]` is the drafter's
+        probability of row b's j-th draft (1.0 for lookup drafters). A row that says no keeps the
+        drafts it has; drafting stops when no row wants more or k is reached."""
+        return [True] * len(confidences)
+
+    def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
+        """How many of each row's drafts to verify (<= len(confidences[b]))."""
+        return [len(row) for row in confidences]
 
     def observe(self, record: StepRecord) -> None:
         pass

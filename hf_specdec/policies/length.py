@@ -1,6 +1,7 @@
-"""Draft-length policies."""
+"""Draft-length policies without a cost model: fixed, and Transformers' two schedules."""
 from __future__ import annotations
 
+from ..stats import StepRecord
 from .base import LengthPolicy, StepContext, non_negative_int
 
 
@@ -15,3 +16,47 @@ class FixedLength(LengthPolicy):
 
     def __repr__(self):
         return f"FixedLength({self.k})"
+
+
+class HFHeuristic(LengthPolicy):
+    """Transformers' "heuristic" schedule: +2 after a step whose drafts were all accepted, else -1
+    (never below 1). A batch grows only when every row accepted everything. The length carries
+    over between calls, as it does on Transformers' assistant."""
+
+    def __init__(self, initial: int = 20):
+        if non_negative_int(initial, "HFHeuristic(initial)") < 1:
+            raise ValueError(f"HFHeuristic(initial) must be >= 1, got {initial}")
+        self.k = initial
+
+    def choose(self, ctx: StepContext) -> int:
+        return self.k
+
+    def observe(self, record: StepRecord) -> None:
+        if record.k == 0:
+            return
+        full = all(a == p and p == record.k for a, p in zip(record.accepted, record.proposed))
+        self.k = self.k + 2 if full else max(1, self.k - 1)
+
+    def __repr__(self):
+        return f"HFHeuristic(k={self.k})"
+
+
+class ConfidenceThreshold(LengthPolicy):
+    """Transformers' dynamic speculation (`assistant_confidence_threshold`): a row stops drafting
+    after a token whose draft probability is below `threshold`; at most `max_len` tokens."""
+
+    def __init__(self, threshold: float = 0.4, max_len: int = 20):
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise ValueError(f"ConfidenceThreshold(threshold) must be in [0, 1], got {threshold!r}")
+        if non_negative_int(max_len, "ConfidenceThreshold(max_len)") < 1:
+            raise ValueError(f"ConfidenceThreshold(max_len) must be >= 1, got {max_len}")
+        self.threshold, self.max_len = threshold, max_len
+
+    def choose(self, ctx: StepContext) -> int:
+        return self.max_len
+
+    def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
+        return [row[-1] >= self.threshold for row in confidences]
+
+    def __repr__(self):
+        return f"ConfidenceThreshold({self.threshold}, max_len={self.max_len})"

@@ -1,0 +1,280 @@
+"""Adaptive draft lengths: Nightjar, AdaSpec, DSD goodput and Transformers' schedules.
+
+Policies are driven first in a simulated environment whose optimum is known (step time and
+acceptance as functions of batch size and k), then with real tiny models for losslessness.
+"""
+import json
+import random
+import statistics
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import hf_specdec
+from helpers import assert_same, spec
+from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile
+from hf_specdec.policies import StepContext
+from hf_specdec.stats import StepRecord
+from hf_specdec.testing import build, noisy_copy, prompts
+
+ALPHA = 0.7          # per-token acceptance in the simulation
+
+
+def expected_tokens(k):
+    return (1 - ALPHA ** (k + 1)) / (1 - ALPHA)
+
+
+def step_time(batch, k):
+    """Verification gets relatively dearer with the batch: speculation pays at B=1, not at B>=8."""
+    return 0.01 * (1 + 0.3 * batch * k)
+
+
+def optimum(batch, max_len=6):
+    return min(range(max_len + 1), key=lambda k: step_time(batch, k) / expected_tokens(k))
+
+
+class Sim:
+    """Plays a length policy against the simulated environment; rows emit the expected tokens."""
+
+    def __init__(self, policy, switch_seconds=0.0, seed=0):
+        self.policy, self.switch_seconds = policy, switch_seconds
+        self.rng = random.Random(seed)
+        self.previous_k, self.lag, self.step = None, 0, 0
+        self.choices = []
+
+    def run(self, batch, steps):
+        for _ in range(steps):
+            ctx = StepContext(self.step, batch, 1, list(range(batch)), context_tokens=100 * batch, max_lag=self.lag)
+            k = self.policy.choose(ctx)
+            seconds = step_time(batch, k) * self.rng.uniform(0.98, 1.02)
+            if k > 0 and self.previous_k == 0:
+                seconds += self.switch_seconds            # the draft catches up its lag
+            self.lag = self.lag + 1 if k == 0 else 0
+            emitted = [round(expected_tokens(k) * 100)] * batch   # scaled: integer tokens, exact means
+            self.policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, [0] * batch,
+                                           emitted, 0.0, seconds * 100))
+            self.choices.append((batch, k))
+            self.previous_k = k
+            self.step += 1
+        return [k for _, k in self.choices[-steps:]]
+
+
+def test_simulation_has_the_intended_optima():
+    assert optimum(1) == 2 and optimum(8) == 0 and optimum(16) == 0
+
+
+def test_nightjar_converges_per_batch_size_and_comes_back_after_load():
+    sim = Sim(hf_specdec.Nightjar(max_len=6, seed=1))
+    low = sim.run(1, 1500)
+    high = sim.run(16, 1500)
+    back = sim.run(1, 400)
+    for phase, batch in ((low, 1), (high, 16), (back, 1)):
+        mode, count = Counter(phase[-300:]).most_common(1)[0]
+        assert mode == optimum(batch) and count >= 0.7 * 300, (batch, Counter(phase[-300:]))
+    assert Counter(back)[0] < 0.3 * len(back)            # no decision deadlock at k = 0
+
+
+def test_nightjar_switches_less_when_switching_is_expensive():
+    def switches(cost):
+        policy = hf_specdec.Nightjar(max_len=6, switch_cost=cost, seed=3)
+        sim = Sim(policy, switch_seconds=cost)
+        for _ in range(150):                             # load alternates between busy and quiet
+            sim.run(8, 20)
+            sim.run(1, 20)
+        ks = [k for _, k in sim.choices]
+        return sum(1 for a, b in zip(ks, ks[1:]) if a == 0 and b > 0)
+    free, cheap, dear = switches(0.0), switches(0.05), switches(0.5)
+    assert dear < cheap < free and dear < 0.6 * free      # (exploration bins still switch sometimes)
+
+
+def test_nightjar_decision_costs_under_20_microseconds():
+    policy = hf_specdec.Nightjar(max_len=6)
+    sim = Sim(policy)
+    sim.run(4, 200)
+    ctx = StepContext(0, 4, 1, [0, 1, 2, 3], context_tokens=400, max_lag=0)
+    times = []
+    for _ in range(3000):
+        start = time.perf_counter()
+        policy.choose(ctx)
+        times.append(time.perf_counter() - start)
+    assert statistics.median(times) < 20e-6
+
+
+def test_latency_model_fit_recovers_coefficients():
+    truth = LatencyModel(alpha=2e-6, gamma=1e-4, delta=5e-3)
+    rng = random.Random(0)
+    samples = []
+    for context in (32, 256, 1024, 4096):
+        for tokens in (1, 4, 16, 64):
+            seconds = truth.forward_time(context, tokens) * rng.uniform(0.99, 1.01)
+            samples.append((context, tokens, seconds))
+    fit = LatencyModel.fit(samples)
+    for name in ("alpha", "gamma", "delta"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+
+
+def test_switch_cost_table_interpolates_and_clamps():
+    table = SwitchCostTable([1, 5], [1, 3], [[1.0, 2.0], [5.0, 10.0]])
+    assert table(1, 1) == 1.0 and table(5, 3) == 10.0
+    assert table(3, 2) == pytest.approx(0.25 * (1 + 2 + 5 + 10))
+    assert table(100, 100) == 10.0 and table(0, 2) == 0.0
+
+
+def toy_profile(draft_ratio=0.2):
+    """A target whose verification cost grows with batch tokens; a draft `draft_ratio` as dear."""
+    target = LatencyModel(alpha=1e-6, gamma=2e-3, delta=1e-2)
+    draft = LatencyModel(alpha=draft_ratio * 1e-6, gamma=draft_ratio * 2e-3, delta=draft_ratio * 1e-2)
+    return CostProfile(target, draft, SwitchCostTable([1, 64], [1, 16], [[1e-3, 5e-3], [1e-2, 5e-2]]))
+
+
+def test_profile_json_round_trip_and_malformed_files(tmp_path):
+    path = tmp_path / "profile.json"
+    toy_profile().save(path)
+    assert CostProfile.load(path) == toy_profile()
+    bad = {"not json": "{", "missing key": json.dumps({"target": {"alpha": 0, "gamma": 0, "delta": 0}}),
+           "negative": json.dumps({**json.loads(path.read_text()),
+                                   "draft": {"alpha": -1, "gamma": 0, "delta": 0}}),
+           "ragged table": json.dumps({**json.loads(path.read_text()),
+                                       "switch": {"lags": [1, 2], "batch_sizes": [1], "seconds": [[1.0]]}})}
+    for name, text in bad.items():
+        path.write_text(text)
+        with pytest.raises(ValueError):
+            CostProfile.load(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        CostProfile.load(tmp_path / "missing.json")
+
+
+def drafted_length(policy, batch, confidence, max_len):
+    """Feed constant confidences until the policy stops drafting; returns the number drafted."""
+    ctx = StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch)
+    if policy.choose(ctx) == 0:
+        return 0
+    confidences = [[] for _ in range(batch)]
+    for j in range(max_len):
+        for row in confidences:
+            row.append(confidence)
+        if j == max_len - 1 or not any(policy.continue_drafting(confidences)):
+            return j + 1
+
+
+@pytest.mark.parametrize("batch,confidence", [(1, 0.9), (1, 0.6), (4, 0.8), (16, 0.7)])
+def test_adaspec_stops_drafting_where_modelled_goodput_peaks(batch, confidence):
+    prof = toy_profile()
+    policy = hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=confidence)
+    got = drafted_length(policy, batch, confidence, 10)
+
+    def goodput(j):
+        ar = [confidence ** i for i in range(1, j + 1)]
+        seconds = sum(prof.draft.forward_time(64 * batch + i * batch, batch) for i in range(j))
+        seconds += prof.target.forward_time(64 * batch, batch * (j + 1))
+        return batch * (1 + sum(ar)) / seconds
+    best = max(range(11), key=goodput)
+    assert got == best, (got, best, [round(goodput(j), 2) for j in range(11)])
+
+
+def test_adaspec_respects_the_slo():
+    prof = toy_profile()
+    free = drafted_length(hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=0.95), 1, 0.95, 10)
+    slo = sum(prof.draft.forward_time(64 + i, 1) for i in range(2)) + prof.target.forward_time(64, 3) + 1e-9  # 2 fit
+    capped = drafted_length(hf_specdec.AdaSpec(prof, max_len=10, slo_tpot=slo, prior_confidence=0.95), 1, 0.95, 10)
+    assert free > 2 and capped == 2
+    too_tight = hf_specdec.AdaSpec(prof, slo_tpot=prof.target.forward_time(64, 1) / 2)
+    assert too_tight.choose(StepContext(0, 1, 1, [0], context_tokens=64)) == 0
+
+
+def test_adaspec_verifies_fewer_tokens_of_unsure_rows():
+    policy = hf_specdec.AdaSpec(toy_profile(), max_len=6)
+    policy.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128))
+    lengths = policy.verify_lengths([[0.95] * 6, [0.3] * 6])
+    assert lengths[0] > lengths[1] and lengths[1] <= 2
+
+
+def test_dsd_goodput_can_deadlock_at_zero():
+    """The baseline's known weakness: once k = 0, acceptance is no longer measured."""
+    policy = hf_specdec.DSDGoodput(toy_profile(draft_ratio=0.5), prior_acceptance=0.05)
+    ctx = StepContext(0, 1, 1, [0], context_tokens=64)
+    assert policy.choose(ctx) == 0
+    policy.observe(StepRecord(1, [-1], 0, [0], [0], [1], 0.0, 0.01))
+    assert policy.choose(ctx) == 0
+
+
+def test_hf_heuristic_schedule():
+    policy = hf_specdec.HFHeuristic(initial=5)
+    ctx = StepContext(0, 1, 1, [0])
+    assert policy.choose(ctx) == 5
+    policy.observe(StepRecord(1, [0], 5, [5], [5], [6], 0, 0))
+    assert policy.choose(ctx) == 7
+    policy.observe(StepRecord(1, [0], 7, [7], [2], [3], 0, 0))
+    assert policy.choose(ctx) == 6
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = build("llama", 3, seed=0)
+    return target, noisy_copy(target, 0.03, seed=1)
+
+
+POLICIES = {
+    "fixed": lambda: hf_specdec.FixedLength(3),
+    "heuristic": lambda: hf_specdec.HFHeuristic(initial=3),
+    "confidence": lambda: hf_specdec.ConfidenceThreshold(0.5, max_len=6),
+    "dsd": lambda: hf_specdec.DSDGoodput(toy_profile(), max_len=5),
+    "adaspec": lambda: hf_specdec.AdaSpec(toy_profile(), max_len=6),
+    "adaspec-slo": lambda: hf_specdec.AdaSpec(toy_profile(), max_len=6, slo_tpot=0.05),
+    "nightjar": lambda: hf_specdec.Nightjar(max_len=4, switch_cost=toy_profile()),
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_length_policy_keeps_greedy_outputs_identical(models, name):
+    target, draft = models
+    ids, mask = prompts(5, seed=11)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, repetition_penalty=1.1)
+    for policy in (POLICIES[name](), hf_specdec.SpecPolicy(hf_specdec.HedgeSpec(), POLICIES[name]())):
+        out = spec(target, [draft, hf_specdec.PromptLookupDrafter()], policy, return_dict_in_generate=True, **kwargs)
+        assert_same(out.sequences, target.generate(**kwargs))
+
+
+def test_confidence_threshold_gives_rows_different_lengths(models):
+    target, draft = models
+    ids, mask = prompts(6, seed=2)
+    out = spec(target, [draft], hf_specdec.ConfidenceThreshold(0.6, max_len=6), input_ids=ids, attention_mask=mask,
+               max_new_tokens=20, return_dict_in_generate=True)
+    assert any(len(set(s.proposed)) > 1 for s in out.spec_stats.steps)
+
+
+def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeypatch):
+    target, draft = build("llama", 2, seed=0), build("llama", 1, seed=1)
+    prof = profile(target, draft, batch_sizes=(1, 2), widths=(1, 2), contexts=(4, 8), lags=(1, 3), repeats=1,
+                   progress=False)
+    assert prof.target.forward_time(8, 2) > 0 and prof.switch(3, 2) > 0
+    main = __import__("hf_specdec.__main__", fromlist=["main"])
+    monkeypatch.setattr(main, "_load", lambda args: (target, draft))
+    out = tmp_path / "p.json"
+    assert main.main(["profile", "--batch-sizes", "1,2", "--widths", "1", "--contexts", "4,8", "--lags", "1,2",
+                      "--repeats", "1", "--out", str(out)]) == 0
+    assert CostProfile.load(out).switch.lags == [1, 2]
+    with pytest.raises(SystemExit):
+        main.main(["profile", "--batch-sizes", "0", "--out", str(out)])
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: hf_specdec.Nightjar(max_len=0), "max_len"),
+    (lambda: hf_specdec.Nightjar(switch_cost=-1), "switch_cost"),
+    (lambda: hf_specdec.AdaSpec(toy_profile(), max_len=0), "max_len"),
+    (lambda: hf_specdec.AdaSpec(toy_profile(), slo_tpot=-0.1), "slo_tpot"),
+    (lambda: hf_specdec.ConfidenceThreshold(1.5), "threshold"),
+    (lambda: hf_specdec.HFHeuristic(initial=0), "initial"),
+    (lambda: hf_specdec.DSDGoodput(toy_profile(), prior_acceptance=2), "prior_acceptance"),
+    (lambda: LatencyModel(alpha=-1e-6, gamma=0, delta=0), "alpha"),
+])
+def test_invalid_parameters(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_cost_model_of_the_wrong_type():
+    with pytest.raises(TypeError, match="cost_model"):
+        hf_specdec.AdaSpec(cost_model=42)
