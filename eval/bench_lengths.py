@@ -1,0 +1,237 @@
+"""Draft-length policies side by side across batch sizes: plain, fixed k = 1..6, Transformers'
+heuristic and confidence schedules, DSD goodput, AdaSpec and Nightjar.
+
+    python eval/bench_lengths.py --envs tiny-exact,tiny-useless,smollm2-bf16 --batch-sizes 1,2,4,8,16 \
+        --max-new-tokens 48 --repeats 2 --out results/bench_lengths
+
+Environments (greedy; every output is checked against plain generate()):
+  tiny-exact      8-layer Llama with zeroed upper layers + its exact 1-layer draft (cheap, perfect)
+  tiny-useless    the same target with an unrelated random 1-layer draft (nothing pays)
+  smollm2-<bf16|int8|pld>  the embedded SmolLM2-135M-Instruct on HumanEval prompts with that drafter
+Each environment is profiled first (`hf_specdec.costmodel.profile`, the `python -m hf_specdec
+profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy objects live for the
+whole environment, so Nightjar learns per batch size across runs, as a server would. Besides the
+fixed batch sizes, a "changing" run starts 16 rows whose output budgets range from 4 tokens to
+--max-new-tokens, so the batch shrinks as rows finish.
+Writes <out>.json, <out>.md (tokens/s per method and batch size, the oracle = best fixed k) and
+<out>.png (k chosen over time in the changing run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_specdec
+from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+from hf_specdec.testing import build, exact_cheap_pair
+from humaneval_data import load_problems  # eval/ is on sys.path when run as a script
+
+logger = logging.getLogger("bench_lengths")
+FIXED = range(1, 7)
+
+
+class RowBudget(StoppingCriteria):
+    """Stops row b once it has `budget[b]` new tokens (rows finish at very different times)."""
+
+    def __init__(self, prompt_len: int, budget: list[int]):
+        self.prompt_len, self.budget = prompt_len, torch.tensor(budget)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids.shape[1] - self.prompt_len) >= self.budget.to(input_ids.device)
+
+
+def tiny_env(useless: bool):
+    target, draft = exact_cheap_pair()
+    if useless:
+        draft = build("llama", 1, seed=99, vocab=target.config.vocab_size, hidden=384, init=0.05)
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = 0
+    ids = torch.randint(3, target.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(0))
+    return target, hf_specdec.ModelDrafter(draft, name="useless" if useless else "exact-1layer"), \
+        lambda b: {"input_ids": ids[:b], "attention_mask": torch.ones_like(ids[:b])}
+
+
+_SMOLLM2 = {}
+
+
+def smollm2_env(kind: str):
+    if not _SMOLLM2:
+        from hf_specdec.embedded import load_smollm2
+        model, tokenizer = load_smollm2()
+        prompts = [p["prompt"] for p in load_problems(limit=16)]
+        _SMOLLM2.update(model=model, inputs=lambda b: dict(tokenizer(prompts[:b], return_tensors="pt", padding=True)))
+    model = _SMOLLM2["model"]
+    drafter = hf_specdec.PromptLookupDrafter() if kind == "pld" else hf_specdec.self_draft(model, kind)
+    return model, drafter, _SMOLLM2["inputs"]
+
+
+ENVS = {"tiny-exact": lambda: tiny_env(False), "tiny-useless": lambda: tiny_env(True),
+        "smollm2-bf16": lambda: smollm2_env("bf16"), "smollm2-int8": lambda: smollm2_env("int8"),
+        "smollm2-pld": lambda: smollm2_env("pld")}
+
+
+def env_profile(target, drafter, batch_sizes, context) -> CostProfile:
+    draft_model = getattr(drafter, "model", None)
+    if draft_model is None:   # a lookup drafter costs (almost) nothing: profile the target twice, zero draft
+        prof = profile(target, target, batch_sizes, (1, 3, 5, 8), (context, 2 * context), (1, 4, 16), repeats=2)
+        return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
+    return profile(target, draft_model, batch_sizes, (1, 3, 5, 8), (context, 2 * context), (1, 4, 16), repeats=2)
+
+
+def policies(prof: CostProfile, max_len: int) -> dict:
+    out = {"plain": None}
+    out.update({f"fixed:{k}": hf_specdec.FixedLength(k) for k in FIXED})
+    out.update({"hf-heuristic": hf_specdec.HFHeuristic(), "hf-confidence": hf_specdec.ConfidenceThreshold(),
+                "dsd": hf_specdec.DSDGoodput(prof, max_len=max_len), "adaspec": hf_specdec.AdaSpec(prof, max_len=max_len),
+                "nightjar": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof)})
+    return out
+
+
+def run(model, drafter, policy, inputs, args, criteria=None):
+    kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    if criteria is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([criteria])
+    if policy is not None:
+        kwargs.update(assistant_models=[drafter], spec_policy=policy)
+    start = time.perf_counter()
+    out = model.generate(**kwargs)
+    return out, time.perf_counter() - start
+
+
+def new_tokens(out, prompt_len, eos):
+    new = out.sequences[:, prompt_len:]
+    if eos is None:
+        return new.numel()
+    ends = [(row == eos).nonzero() for row in new]
+    return sum(int(e[0]) + 1 if len(e) else len(row) for e, row in zip(ends, new))
+
+
+def run_env(name, args) -> dict:
+    model, drafter, make_inputs = ENVS[name]()
+    hf_specdec.enable(model)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    prof = env_profile(model, drafter, args.batch_sizes, make_inputs(1)["input_ids"].shape[1])
+    methods = policies(prof, args.max_len)
+    results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}}
+    cases = [(b, None) for b in args.batch_sizes] + [("changing", 16)]
+    for batch, rows in cases:
+        inputs = make_inputs(rows or batch)
+        prompt_len = inputs["input_ids"].shape[1]
+        criteria = None
+        if batch == "changing":
+            budget = [round(4 + (args.max_new_tokens - 4) * i / 15) for i in range(16)]
+            criteria = RowBudget(prompt_len, budget)
+        run(model, drafter, None, inputs, argparse.Namespace(max_new_tokens=2), None)          # warm-up
+        times = {m: [] for m in methods}
+        outs = {}
+        for _ in tqdm(range(args.repeats), desc=f"{name} batch={batch}", leave=False):
+            for m, policy in methods.items():
+                outs[m], seconds = run(model, drafter, policy, inputs, args, criteria)
+                times[m].append(seconds)
+        plain = outs["plain"].sequences
+        tokens = new_tokens(outs["plain"], prompt_len, eos)
+        rows_out = {}
+        for m, out in outs.items():
+            stats = getattr(out, "spec_stats", None)
+            rows_out[m] = {
+                "tokens_per_s": round(tokens / statistics.median(times[m]), 2),
+                "seconds": [round(t, 4) for t in times[m]],
+                "identical_to_plain": bool(out.sequences.shape == plain.shape and torch.equal(out.sequences, plain)),
+                "mean_accepted_tokens": round(stats.mean_accepted_tokens, 3) if stats else 1.0,
+                "k_over_time": [(s.batch_size, s.k, max(s.proposed, default=0)) for s in stats.steps] if stats else [],
+            }
+        plain_tps = rows_out["plain"]["tokens_per_s"]
+        for r in rows_out.values():
+            r["vs_plain"] = round(r["tokens_per_s"] / plain_tps, 3)
+        fixed = {m: rows_out[m]["tokens_per_s"] for m in rows_out if m == "plain" or m.startswith("fixed:")}
+        oracle = max(fixed, key=fixed.get)
+        for r in rows_out.values():
+            r["vs_oracle"] = round(r["tokens_per_s"] / fixed[oracle], 3)
+        key = "changing" if batch == "changing" else str(batch)
+        results["batches"][key] = {"oracle": oracle, "methods": rows_out}
+        logger.info("%s batch=%s oracle=%s %s", name, batch, oracle,
+                    {m: r["tokens_per_s"] for m, r in rows_out.items()})
+    return results
+
+
+def markdown(all_results: dict, args) -> str:
+    lines = [f"# Draft-length policies: greedy, {args.max_new_tokens} new tokens, median of {args.repeats} runs", ""]
+    for env, res in all_results.items():
+        batches = list(res["batches"])
+        methods = list(res["batches"][batches[0]]["methods"])
+        lines += [f"## {env}: tokens/s (x oracle = best of plain and fixed k)", "",
+                  "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
+                  "|---|" + "---:|" * len(batches)]
+        for m in methods:
+            cells = []
+            for b in batches:
+                r = res["batches"][b]["methods"][m]
+                mark = "" if r["identical_to_plain"] else " ≠"
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['vs_oracle']:.2f}){mark}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("| oracle | " + " | ".join(res["batches"][b]["oracle"] for b in batches) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(all_results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    envs = list(all_results)
+    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3 * len(envs)), squeeze=False)
+    for row, env in zip(axes, envs):
+        changing = all_results[env]["batches"]["changing"]["methods"]
+        for m in ("nightjar", "adaspec", "dsd", "hf-heuristic"):
+            steps = changing[m]["k_over_time"]
+            row[0].plot([s[2] for s in steps], label=m, drawstyle="steps-post")
+        row[0].set_title(f"{env}: drafts per step, changing batch")
+        row[0].set_xlabel("step")
+        row[0].legend(fontsize=7)
+        batch = [s[0] for s in changing["nightjar"]["k_over_time"]]
+        row[1].plot(batch, color="grey")
+        row[1].set_title("active batch size (nightjar run)")
+        row[1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--envs", default="tiny-exact,tiny-useless,smollm2-bf16")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-len", type=int, default=6, help="largest k of the adaptive policies")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="results/bench_lengths")
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    unknown = [e for e in args.envs.split(",") if e not in ENVS]
+    if unknown:
+        parser.error(f"--envs: unknown {unknown}; known: {sorted(ENVS)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_grad_enabled(False)
+    all_results = {env: run_env(env, args) for env in args.envs.split(",")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": all_results}, indent=1))
+    out.with_suffix(".md").write_text(markdown(all_results, args))
+    plot(all_results, out.with_suffix(".png"))
+    print(markdown(all_results, args))
+    bad = [(e, b, m) for e, r in all_results.items() for b, x in r["batches"].items()
+           for m, y in x["methods"].items() if not y["identical_to_plain"]]
+    if bad:
+        raise SystemExit(f"outputs differ from plain generate(): {bad}")
+
+
+if __name__ == "__main__":
+    main()
