@@ -10,7 +10,8 @@ Environments (greedy; every output is checked against plain generate()):
   smollm2-<bf16|int8|pld>  the embedded SmolLM2-135M-Instruct on HumanEval prompts with that drafter
 Each environment is profiled first (`hf_specdec.costmodel.profile`, the `python -m hf_specdec
 profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy objects live for the
-whole environment, so Nightjar learns per batch size across runs, as a server would. Besides the
+whole environment, so Nightjar learns per batch size across runs, as a server would; before the
+timed runs of a batch size, the learning policies get --learn-runs untimed runs of it. Besides the
 fixed batch sizes, a "changing" run starts 16 rows whose output budgets range from 4 tokens to
 --max-new-tokens, so the batch shrinks as rows finish.
 Writes <out>.json, <out>.md (tokens/s per method and batch size, the oracle = best fixed k) and
@@ -36,6 +37,7 @@ from humaneval_data import load_problems  # eval/ is on sys.path when run as a s
 
 logger = logging.getLogger("bench_lengths")
 FIXED = range(1, 7)
+LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar")   # policies whose state improves with use
 
 
 class RowBudget(StoppingCriteria):
@@ -130,6 +132,9 @@ def run_env(name, args) -> dict:
             budget = [round(4 + (args.max_new_tokens - 4) * i / 15) for i in range(16)]
             criteria = RowBudget(prompt_len, budget)
         run(model, drafter, None, inputs, argparse.Namespace(max_new_tokens=2), None)          # warm-up
+        for _ in range(args.learn_runs):          # learning policies see this batch size first, untimed
+            for m in LEARNING:
+                run(model, drafter, methods[m], inputs, args, criteria)
         times = {m: [] for m in methods}
         outs = {}
         for _ in tqdm(range(args.repeats), desc=f"{name} batch={batch}", leave=False):
@@ -212,6 +217,8 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-len", type=int, default=6, help="largest k of the adaptive policies")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--learn-runs", type=int, default=2,
+                        help="untimed runs of the learning policies per batch size before timing (0: none)")
     parser.add_argument("--out", default="results/bench_lengths")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -162,7 +162,7 @@ def drafted_length(policy, batch, confidence, max_len):
 @pytest.mark.parametrize("batch,confidence", [(1, 0.9), (1, 0.6), (4, 0.8), (16, 0.7)])
 def test_adaspec_stops_drafting_where_modelled_goodput_peaks(batch, confidence):
     prof = toy_profile()
-    policy = hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=confidence)
+    policy = hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=confidence, calibrate=False)
     got = drafted_length(policy, batch, confidence, 10)
 
     def goodput(j):
@@ -176,19 +176,35 @@ def test_adaspec_stops_drafting_where_modelled_goodput_peaks(batch, confidence):
 
 def test_adaspec_respects_the_slo():
     prof = toy_profile()
-    free = drafted_length(hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=0.95), 1, 0.95, 10)
+    free = drafted_length(hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=0.95, calibrate=False), 1, 0.95, 10)
     slo = sum(prof.draft.forward_time(64 + i, 1) for i in range(2)) + prof.target.forward_time(64, 3) + 1e-9  # 2 fit
-    capped = drafted_length(hf_specdec.AdaSpec(prof, max_len=10, slo_tpot=slo, prior_confidence=0.95), 1, 0.95, 10)
+    capped = drafted_length(hf_specdec.AdaSpec(prof, max_len=10, slo_tpot=slo, prior_confidence=0.95,
+                                               calibrate=False), 1, 0.95, 10)
     assert free > 2 and capped == 2
     too_tight = hf_specdec.AdaSpec(prof, slo_tpot=prof.target.forward_time(64, 1) / 2)
     assert too_tight.choose(StepContext(0, 1, 1, [0], context_tokens=64)) == 0
 
 
 def test_adaspec_verifies_fewer_tokens_of_unsure_rows():
-    policy = hf_specdec.AdaSpec(toy_profile(), max_len=6)
+    policy = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False)
     policy.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128))
     lengths = policy.verify_lengths([[0.95] * 6, [0.3] * 6])
     assert lengths[0] > lengths[1] and lengths[1] <= 2
+
+
+def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
+    """A drafter that always agrees with the target but with flat distributions (confidence 0.2):
+    the paper's model would stop drafting at once; the calibrated one learns to draft long."""
+    prof = toy_profile()
+    paper = hf_specdec.AdaSpec(prof, max_len=8, prior_confidence=0.2, calibrate=False)
+    calibrated = hf_specdec.AdaSpec(prof, max_len=8, prior_confidence=0.2)
+    for _ in range(120):
+        n = drafted_length(calibrated, 1, 0.2, 8)
+        calibrated.verify_lengths([[0.2] * n])
+        calibrated.observe(StepRecord(1, [0], 8, [n], [n], [n + 1], 0.0, 0.01))
+    assert drafted_length(paper, 1, 0.2, 8) <= 1
+    assert drafted_length(calibrated, 1, 0.2, 8) >= 6
+    assert calibrated.calibration(0.2) > 0.9
 
 
 def test_dsd_goodput_can_deadlock_at_zero():

@@ -5,8 +5,8 @@ Step time for B rows holding C context tokens, drafting j tokens and verifying v
 with T(N_context, N_batch_tokens) = alpha N_context + gamma N_batch_tokens + delta per model
 (`hf_specdec.costmodel`). Expected tokens: sum_b (1 + sum_{i<=v_b} AR_{b,i}).
 
-AdaSpec (SoCC'25): AR_{b,i} = prod_{l<=i} c_{b,l}, the product of the draft's confidences in its
-own tokens. Drafting continues while the goodput predicted for one more token (its confidence
+AdaSpec (SoCC'25): AR_{b,i} = prod_{l<=i} a(c_{b,l}), with c the draft's confidence in its own
+token and a(c) = c in the paper; we learn a(c) from verification outcomes by default. Drafting continues while the goodput predicted for one more token (its confidence
 guessed as the running mean confidence) rises ("predict-execute-correct"); then the
 lowest-AR tail drafts of any row are dropped while that raises goodput (confidence-prior
 verification: rows verify different numbers of tokens). With `slo_tpot`, a step predicted to take
@@ -51,50 +51,102 @@ class _GoodputModel:
         return sum(1.0 + sum(row) for row in ar) / seconds
 
 
-def _cumulative(confidences: list[float]) -> list[float]:
+def _cumulative(values: list[float]) -> list[float]:
     out, acc = [], 1.0
-    for c in confidences:
-        acc *= c
+    for v in values:
+        acc *= v
         out.append(acc)
     return out
+
+
+class Calibration:
+    """Acceptance probability as a function of draft confidence, learned from verification.
+
+    AdaSpec takes acceptance = confidence, which holds for well-calibrated drafters only (a
+    drafter that copies the target exactly but with flat distributions is always accepted at low
+    confidence). Each confidence bin counts accepted / judged drafts, starting from the identity
+    (a prior of `strength` pseudo-drafts at the bin's midpoint)."""
+
+    def __init__(self, bins: int = 10, strength: float = 4.0):
+        self.bins = bins
+        self.mid = [(i + 0.5) / bins for i in range(bins)]
+        self.accepted = [strength * m for m in self.mid]
+        self.judged = [strength] * bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.bins), self.bins - 1)
+
+    def __call__(self, confidence: float) -> float:
+        i = self._bin(confidence)
+        return self.accepted[i] / self.judged[i]
+
+    def update(self, confidences: list[float], accepted: int, proposed: int) -> None:
+        """One row's verified drafts: the first `accepted` passed, the next (if proposed) failed;
+        later ones were never judged."""
+        for j, c in enumerate(confidences[: min(proposed, accepted + 1)]):
+            i = self._bin(c)
+            self.judged[i] += 1
+            self.accepted[i] += j < accepted
 
 
 class AdaSpec(LengthPolicy):
     """cost_model: a CostProfile or a profile JSON path; max_len: most drafts per step;
     slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the guess for a
-    draft token's confidence before any was seen."""
+    draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
+    a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
+    draft anyway after this many non-drafting steps, so estimates keep being measured."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
-                 prior_confidence: float = 0.5):
+                 prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not 0 < prior_confidence <= 1:
             raise ValueError(f"AdaSpec(prior_confidence) must be in (0, 1], got {prior_confidence!r}")
         self.model = _GoodputModel(_as_profile(cost_model), slo_tpot)
         self.max_len = max_len
-        self.mean_confidence, self.seen = prior_confidence, 0
+        self.calibration = Calibration() if calibrate else (lambda c: c)
+        self.mean_acceptance, self.seen = prior_confidence, 0   # of one more draft, for the prediction
+        self.probe_every = non_negative_int(probe_every, "AdaSpec(probe_every)") or 1
+        self.idle = 0                                            # steps since the last drafting step
         self.ctx: StepContext | None = None
+        self.verified: list[list[float]] | None = None          # this step's confidences, for observe
 
     def choose(self, ctx: StepContext) -> int:
-        self.ctx = ctx
+        self.ctx, self.verified = ctx, None
         plain = self.model.goodput(ctx.batch_size, ctx.context_tokens, 0, [[] for _ in range(ctx.batch_size)])
         one = self.model.goodput(ctx.batch_size, ctx.context_tokens, 1,
-                                 [[self.mean_confidence] for _ in range(ctx.batch_size)])
-        return self.max_len if one > plain else 0
+                                 [[self.mean_acceptance] for _ in range(ctx.batch_size)])
+        # a step that drafts at least once every `probe_every` keeps the estimates alive (no deadlock
+        # at 0), unless the SLO forbids it
+        self.idle = 0 if one > plain else self.idle + 1
+        if self.idle == 0 or (self.idle >= self.probe_every and one >= 0):
+            self.idle = 0
+            return self.max_len
+        return 0
+
+    def _ar(self, confidences: list[list[float]]) -> list[list[float]]:
+        """AR_{b,i}: probability that row b's drafts up to i are all accepted."""
+        return [_cumulative([self.calibration(c) for c in row]) for row in confidences]
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
         for row in confidences:                         # correct the guess with what was drafted
             self.seen += 1
-            self.mean_confidence += (row[-1] - self.mean_confidence) / self.seen
-        ar = [_cumulative(row) for row in confidences]
+            self.mean_acceptance += (self.calibration(row[-1]) - self.mean_acceptance) / self.seen
+        ar = self._ar(confidences)
         drafted = len(confidences[0])
         now = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
-        guess = [row + [row[-1] * self.mean_confidence] for row in ar]
+        guess = [row + [row[-1] * self.mean_acceptance] for row in ar]
         more = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted + 1, guess) > now
         return [more] * len(confidences)
 
+    def observe(self, record: StepRecord) -> None:
+        if self.verified is not None and isinstance(self.calibration, Calibration):
+            for confidences, accepted, proposed in zip(self.verified, record.accepted, record.proposed):
+                self.calibration.update(confidences, accepted, proposed)
+
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
-        ar = [_cumulative(row) for row in confidences]
+        self.verified = confidences
+        ar = self._ar(confidences)
         drafted = max((len(row) for row in ar), default=0)
         best = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
         while any(ar):
