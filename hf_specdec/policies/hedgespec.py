@@ -70,12 +70,12 @@ class HedgeSpec(DrafterSelector):
         self.draft_cost: dict[int, float] = {}          # EMA seconds per drafted token, by drafter
         self.replay_cost: dict[int, float] = {}         # EMA seconds of a scoring pass (fallback)
         self.last_k = None
-        self.num_drafters_seen = None
+        self.num_drafters = None
 
     def begin(self, ctx: StepContext) -> None:
-        if self.num_drafters_seen not in (None, ctx.num_drafters):
+        if self.num_drafters not in (None, ctx.num_drafters):
             self.verify_cost, self.draft_cost, self.replay_cost = None, {}, {}   # another pool
-        self.num_drafters = self.num_drafters_seen = ctx.num_drafters
+        self.num_drafters = ctx.num_drafters
         self.learners: dict[int, Learner] = {r: LEARNERS[self.learner_name](ctx.num_drafters) for r in ctx.rows}
         self.queues: dict[int, DelayedFeedback] = {}
         self.trace = []
