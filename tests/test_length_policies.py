@@ -89,6 +89,15 @@ def test_nightjar_switches_less_when_switching_is_expensive():
     assert dear < cheap < free and dear < 0.6 * free      # (exploration bins still switch sometimes)
 
 
+def test_nightjar_pow2_buckets_reuse_learning_as_the_batch_shrinks():
+    def zeros_while_shrinking(buckets):
+        sim = Sim(hf_specdec.Nightjar(max_len=6, buckets=buckets, seed=2))
+        sim.run(16, 1000)                                # learned: at this load, do not speculate
+        shrinking = [k for b in range(15, 8, -1) for k in sim.run(b, 6)]
+        return shrinking.count(0) / len(shrinking)
+    assert zeros_while_shrinking("pow2") > 0.7 > zeros_while_shrinking("exact")
+
+
 def test_nightjar_decision_costs_under_20_microseconds():
     policy = hf_specdec.Nightjar(max_len=6)
     sim = Sim(policy)
@@ -279,6 +288,7 @@ def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeyp
 @pytest.mark.parametrize("make,match", [
     (lambda: hf_specdec.Nightjar(max_len=0), "max_len"),
     (lambda: hf_specdec.Nightjar(switch_cost=-1), "switch_cost"),
+    (lambda: hf_specdec.Nightjar(buckets="log"), "buckets"),
     (lambda: hf_specdec.AdaSpec(toy_profile(), max_len=0), "max_len"),
     (lambda: hf_specdec.AdaSpec(toy_profile(), slo_tpot=-0.1), "slo_tpot"),
     (lambda: hf_specdec.ConfidenceThreshold(1.5), "threshold"),

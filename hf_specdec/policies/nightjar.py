@@ -6,8 +6,9 @@ so every block starts exploring), else exploits
     argmin_k  latency_per_token(B, k) + 1[previous k = 0 and k > 0] * C_switch(L_max, B) / k,
 and k stays locked for the bin. latency_per_token is the running mean of step time / emitted
 tokens; C_switch is the time the draft model needs to catch up the L_max tokens it missed while
-speculation was off. Each batch size keeps its own statistics, so when load drops back to a small
-batch its (positive) k is found again: no decision deadlock.
+speculation was off. Each batch size (by default, each power-of-two bucket of them) keeps its own
+statistics, so when load drops back to a small batch its (positive) k is found again: no
+decision deadlock.
 """
 from __future__ import annotations
 
@@ -34,22 +35,32 @@ class _BatchState:
 
 class Nightjar(LengthPolicy):
     """switch_cost: a `SwitchCostTable`, a `CostProfile` (its table), a callable
-    (lag, batch_size) -> seconds, a constant number of seconds, or None (0)."""
+    (lag, batch_size) -> seconds, a constant number of seconds, or None (0).
+    buckets: "pow2" (default) shares one bandit among batch sizes up to the same power of two
+    (ours: batches that shrink row by row reuse what was learned); "exact": one per size, as in
+    the paper."""
 
-    def __init__(self, max_len: int = 6, switch_cost=None, seed: int = 0):
+    def __init__(self, max_len: int = 6, switch_cost=None, buckets: str = "pow2", seed: int = 0):
         if non_negative_int(max_len, "Nightjar(max_len)") < 1:
             raise ValueError(f"Nightjar(max_len) must be >= 1, got {max_len}")
-        self.max_len = max_len
+        if buckets not in ("pow2", "exact"):
+            raise ValueError(f"Nightjar(buckets) must be 'pow2' or 'exact', got {buckets!r}")
+        self.max_len, self.buckets = max_len, buckets
         self.switch_cost = _as_switch_cost(switch_cost)
         self.rng = random.Random(seed)
         self.states: dict[int, _BatchState] = {}   # learned per batch size, kept across calls
         self.previous_k = None
 
+    def _key(self, batch_size: int) -> int:
+        """The bandit a batch size uses: its own, or (pow2) that of the next power of two, so a
+        batch shrinking row by row does not meet a fresh, unexplored bandit at every size."""
+        return batch_size if self.buckets == "exact" else 1 << max(batch_size - 1, 0).bit_length()
+
     def choose(self, ctx: StepContext) -> int:
-        state = self.states.get(ctx.batch_size)
+        key = self._key(ctx.batch_size)
+        state = self.states.get(key)
         if state is None:
-            state = self.states[ctx.batch_size] = _BatchState(means=[0.0] * (self.max_len + 1),
-                                                                counts=[0] * (self.max_len + 1))
+            state = self.states[key] = _BatchState(means=[0.0] * (self.max_len + 1), counts=[0] * (self.max_len + 1))
         if state.round == 1:                                      # a bin starts: lock its k
             if self.rng.random() < 1.0 / state.bin:
                 state.locked = self.rng.randint(0, self.max_len)
@@ -78,7 +89,7 @@ class Nightjar(LengthPolicy):
         return best
 
     def observe(self, record: StepRecord) -> None:
-        state = self.states.get(record.batch_size)
+        state = self.states.get(self._key(record.batch_size))
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len:
             return
