@@ -109,8 +109,9 @@ class CostProfile:
                              "(alpha, gamma, delta) and switch (lags, batch_sizes, seconds)") from e
 
 
-def _time_forward(model, ids, context: int, width: int, repeats: int) -> float:
-    """Median seconds of one forward feeding `width` tokens per row after `context` cached ones."""
+def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int) -> list[float]:
+    """Median seconds of one forward feeding w tokens per row after `context` cached ones, for
+    each w in `widths` (one prefill, cropped back after every timed forward)."""
     import statistics
     import time
 
@@ -118,17 +119,20 @@ def _time_forward(model, ids, context: int, width: int, repeats: int) -> float:
 
     from . import _compat
     cache = _compat.new_cache(model)
+    out = []
     with torch.no_grad():
         model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(input_ids=ids[:, context: context + width], past_key_values=cache, use_cache=True)
-            if ids.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            _compat.crop(cache, width)
-    return statistics.median(times)
+        for width in widths:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                model(input_ids=ids[:, context: context + width], past_key_values=cache, use_cache=True)
+                if ids.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                _compat.crop(cache, width)
+            out.append(statistics.median(times))
+    return out
 
 
 def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths: Sequence[int] = (1, 3, 5, 8),
@@ -149,11 +153,10 @@ def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths
     for b, c in tqdm(grid, desc="profiling", disable=not progress):
         ids = torch.randint(3, vocab, (b, longest), generator=torch.Generator().manual_seed(b * 1000 + c)).to(device)
         for name, model in (("target", target), ("draft", draft)):
-            for w in widths:
-                samples[name].append((b * c, b * w, _time_forward(model, ids, c, w, repeats)))
-        if c == min(contexts):
-            for lag in lags:
-                switch[lag, b] = _time_forward(draft, ids, c, lag, repeats)
+            measure = list(widths) + (list(lags) if name == "draft" and c == min(contexts) else [])
+            seconds = _time_forwards(model, ids, c, measure, repeats)
+            samples[name] += [(b * c, b * w, t) for w, t in zip(widths, seconds)]
+            switch.update({(lag, b): t for lag, t in zip(lags, seconds[len(widths):])})
     table = SwitchCostTable(sorted(lags), sorted(batch_sizes),
                             [[switch[lag, b] for b in sorted(batch_sizes)] for lag in sorted(lags)])
     meta = {"batch_sizes": list(batch_sizes), "widths": list(widths), "contexts": list(contexts),
