@@ -91,9 +91,9 @@ def normalhedge_scale(regrets: Sequence[float]) -> float:
     return 0.5 * (lo + hi)
 
 
-class NormalHedge(Learner):
-    """Parameter-free NormalHedge: p_i ∝ [R_i]_+ / c · exp([R_i]_+^2 / 2c); uniform while no
-    expert has positive regret."""
+class _RegretLearner(Learner):
+    """Weights from the running regrets R_i, recomputed after each update; uniform when no
+    expert has weight (e.g. before any positive regret)."""
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)
@@ -103,29 +103,32 @@ class NormalHedge(Learner):
     def weights(self) -> list[float]:
         return list(self._weights)
 
+    def _set_weights(self, logs: list[float]) -> None:
+        """Weights ∝ exp(logs); -inf everywhere means uniform."""
+        if all(x == -math.inf for x in logs):
+            self._weights = [1.0 / self.num_experts] * self.num_experts
+        else:
+            self._weights = _normalise_logs(logs)
+
+
+class NormalHedge(_RegretLearner):
+    """Parameter-free NormalHedge: p_i ∝ [R_i]_+ / c · exp([R_i]_+^2 / 2c); uniform while no
+    expert has positive regret."""
+
     def _update(self, losses):
         mixture = self._mixture_loss(losses)
         self.regrets = [r + mixture - x for r, x in zip(self.regrets, losses)]
-        self.scale = c = normalhedge_scale(self.regrets)
-        if c == 0.0:
-            self._weights = [1.0 / self.num_experts] * self.num_experts
-            return
-        logs = [math.log(r / c) + r * r / (2 * c) if r > 0 else -math.inf for r in self.regrets]
-        self._weights = _normalise_logs(logs)
+        c = normalhedge_scale(self.regrets)
+        self._set_weights([math.log(r / c) + r * r / (2 * c) if r > 0 else -math.inf for r in self.regrets])
 
 
-class AdaNormalHedge(Learner):
+class AdaNormalHedge(_RegretLearner):
     """AdaNormalHedge (Luo & Schapire 2015): p_i ∝ Φ(R_i + 1, C_i + 1) - Φ(R_i - 1, C_i + 1) with
     Φ(R, C) = exp([R]_+^2 / 3C), C_i = Σ |r_i| (uniform prior)."""
 
     def __init__(self, num_experts: int):
         super().__init__(num_experts)
-        self.regrets = [0.0] * num_experts
         self.magnitudes = [0.0] * num_experts
-        self._weights = [1.0 / num_experts] * num_experts
-
-    def weights(self) -> list[float]:
-        return list(self._weights)
 
     def _update(self, losses):
         mixture = self._mixture_loss(losses)
@@ -141,10 +144,7 @@ class AdaNormalHedge(Learner):
         for r, c in zip(self.regrets, self.magnitudes):
             a, b = phi(r + 1, c + 1), phi(r - 1, c + 1)
             logs.append(a + math.log(-math.expm1(b - a)) if a > b else -math.inf)
-        if all(x == -math.inf for x in logs):
-            self._weights = [1.0 / self.num_experts] * self.num_experts
-        else:
-            self._weights = _normalise_logs(logs)
+        self._set_weights(logs)
 
 
 LEARNERS = {"normalhedge": NormalHedge, "hedge": Hedge, "adanormalhedge": AdaNormalHedge}
