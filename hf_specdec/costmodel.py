@@ -33,13 +33,16 @@ class LatencyModel:
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[float, float, float]]) -> "LatencyModel":
-        """Least squares over (N_context, N_batch_tokens, seconds) samples; coefficients clipped at 0."""
+        """Least squares of the relative error over (N_context, N_batch_tokens, seconds) samples
+        (policies compare step times as ratios, and a batch-16 forward would otherwise swamp the
+        fit of a batch-1 one); coefficients clipped at 0."""
         if len(samples) < 3:
             raise ValueError(f"LatencyModel.fit needs at least 3 samples, got {len(samples)}")
         import torch
         x = torch.tensor([[c, b, 1.0] for c, b, _ in samples], dtype=torch.float64)
         y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
-        coef = torch.linalg.lstsq(x, y).solution.flatten().clamp(min=0).tolist()
+        weight = 1 / y.clamp(min=1e-9)
+        coef = torch.linalg.lstsq(x * weight, y * weight).solution.flatten().clamp(min=0).tolist()
         return cls(*coef)
 
 

@@ -52,9 +52,12 @@ class Sim:
             if k > 0 and self.previous_k == 0:
                 seconds += self.switch_seconds            # the draft catches up its lag
             self.lag = self.lag + 1 if k == 0 else 0
-            emitted = [round(expected_tokens(k) * 100)] * batch   # scaled: integer tokens, exact means
-            self.policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, [0] * batch,
-                                           emitted, 0.0, seconds * 100))
+            # each row emits floor or ceil of the expected tokens, at the rate that makes it exact on average
+            whole, frac = divmod(expected_tokens(k), 1)
+            emitted = [int(whole) + (self.rng.random() < frac) for _ in range(batch)]
+            drafting = seconds * 0.15 * batch * k / (1 + 0.3 * batch * k)   # half the extra time drafts
+            self.policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, [e - 1 for e in emitted],
+                                           emitted, drafting, seconds - drafting))
             self.choices.append((batch, k))
             self.previous_k = k
             self.step += 1
@@ -96,6 +99,17 @@ def test_nightjar_pow2_buckets_reuse_learning_as_the_batch_shrinks():
         shrinking = [k for b in range(15, 8, -1) for k in sim.run(b, 6)]
         return shrinking.count(0) / len(shrinking)
     assert zeros_while_shrinking("pow2") > 0.7 > zeros_while_shrinking("exact")
+
+
+def test_nightjar_prunes_arms_that_cannot_beat_plain_even_if_every_draft_is_accepted():
+    def speculative_steps(prune):
+        sim = Sim(hf_specdec.Nightjar(max_len=6, prune=prune, seed=4))
+        return sum(k > 0 for k in sim.run(16, 500))
+    pruned, paper = speculative_steps(True), speculative_steps(False)
+    assert pruned <= 10 and paper > 5 * pruned, (pruned, paper)    # a k=1 step bounds every longer k
+    sim = Sim(hf_specdec.Nightjar(max_len=6, prune=True, seed=4))
+    low = sim.run(1, 1500)                              # where speculation pays nothing is pruned away
+    assert Counter(low[-300:]).most_common(1)[0][0] == optimum(1)
 
 
 def test_nightjar_decision_costs_under_20_microseconds():
@@ -214,6 +228,15 @@ def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
     assert drafted_length(paper, 1, 0.2, 8) <= 1
     assert drafted_length(calibrated, 1, 0.2, 8) >= 6
     assert calibrated.calibration(0.2) > 0.9
+
+
+def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
+    def drafting_steps(draft_ratio, batch):
+        policy = hf_specdec.AdaSpec(toy_profile(draft_ratio), max_len=6, prior_confidence=0.02, probe_every=4)
+        ctx = StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch)
+        return sum(policy.choose(ctx) > 0 for _ in range(40))
+    assert drafting_steps(0.05, 1) == 10     # cheap draft, unsure estimate: a probe every 4th step
+    assert drafting_steps(1.5, 16) == 0      # a draft dearer than the target: no acceptance would pay
 
 
 def test_dsd_goodput_can_deadlock_at_zero():

@@ -113,13 +113,19 @@ class AdaSpec(LengthPolicy):
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx, self.verified = ctx, None
-        plain = self.model.goodput(ctx.batch_size, ctx.context_tokens, 0, [[] for _ in range(ctx.batch_size)])
-        one = self.model.goodput(ctx.batch_size, ctx.context_tokens, 1,
-                                 [[self.mean_acceptance] for _ in range(ctx.batch_size)])
-        # a step that drafts at least once every `probe_every` keeps the estimates alive (no deadlock
-        # at 0), unless the SLO forbids it
-        self.idle = 0 if one > plain else self.idle + 1
-        if self.idle == 0 or (self.idle >= self.probe_every and one >= 0):
+        def goodput(drafts: int, acceptance: float) -> float:
+            ar = _cumulative([acceptance] * drafts)
+            return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
+        plain = goodput(0, 1.0)
+        if goodput(1, self.mean_acceptance) > plain:
+            self.idle = 0
+            return self.max_len
+        # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
+        # acceptance estimate alive: no deadlock at 0. Only where acceptance could change the
+        # answer: if even drafts that are always accepted cost more than they give, drafting
+        # never pays at this load and probing would only slow it down.
+        self.idle += 1
+        if self.idle >= self.probe_every and max(goodput(j, 1.0) for j in range(1, self.max_len + 1)) > plain:
             self.idle = 0
             return self.max_len
         return 0
