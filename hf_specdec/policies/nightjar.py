@@ -10,13 +10,15 @@ model needs to catch up the L_max tokens it missed while speculation was off. Ea
 default, each power-of-two bucket of them) keeps its own statistics, so when load drops back to a
 small batch its (positive) k is found again: no decision deadlock.
 
-Ours, beyond the paper (`prune=True`): exploration and exploitation skip arms that cannot win even
-if every draft were accepted. Arm k's best case is its fastest step seconds per row / (k + 1);
-an untried longer arm k' is bounded by the longest tried arm k plus (k' - k) more draft
-forwards: (s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and draft. An arm
-whose bound exceeds plain decoding's measured latency per token is never tried again. Where a
-speculative step costs many plain ones (a CPU at batch 16: ~20x), uniform exploration would
-otherwise cost more than the whole run gains.
+Ours, beyond the paper (`prune=True`): exploration and exploitation skip arms that, with high
+confidence, lose to plain decoding. Arm k's optimistic latency per token is its fastest step
+seconds per row divided by an upper confidence bound on its tokens per row-step (Hoeffding:
+mean + k sqrt(ln(1/delta) / 2n), at most k + 1; delta = e^-4); an untried longer arm k' is
+bounded by the longest tried arm k plus (k' - k) more draft forwards, all accepted:
+(s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and draft. An arm whose
+bound exceeds plain decoding's measured latency per token is left out (until plain's measure
+changes). Where a speculative step costs many plain ones (a CPU at batch 16: ~20x), or drafts
+are never accepted, uniform exploration would otherwise cost more than the whole run gains.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from ..costmodel import CostProfile, SwitchCostTable
 from ..stats import StepRecord
 from .base import LengthPolicy, StepContext, non_negative_int
 
+_LOG_INV_DELTA = 4.0   # pruning confidence: ln(1 / delta)
+
 
 @dataclass
 class _BatchState:
@@ -39,6 +43,7 @@ class _BatchState:
     locked: int = 0                # k of the current bin
     seconds: list[float] = field(default_factory=list)  # by k: step seconds, summed
     tokens: list[int] = field(default_factory=list)     # by k: emitted tokens, summed
+    row_steps: list[int] = field(default_factory=list)  # by k: rows x steps
     fastest: list[float] = field(default_factory=list)  # by k: least step seconds per row (no catch-up)
     draft_per_token: float = math.inf                    # least drafting seconds per row and draft
 
@@ -46,9 +51,11 @@ class _BatchState:
         return self.seconds[k] / self.tokens[k] if self.tokens[k] else math.inf
 
     def best_case(self, k: int) -> float:
-        """Latency per token of arm k if every draft were accepted (a lower bound)."""
+        """Optimistic latency per token of arm k (a lower bound with probability >= 1 - e^-4)."""
         if self.fastest[k] < math.inf:
-            return self.fastest[k] / (k + 1)
+            n = self.row_steps[k]
+            tokens = min(k + 1.0, self.tokens[k] / n + k * math.sqrt(_LOG_INV_DELTA / (2 * n)))
+            return self.fastest[k] / tokens
         tried = [j for j in range(1, k) if self.fastest[j] < math.inf]
         if not tried or self.draft_per_token == math.inf:
             return 0.0
@@ -85,7 +92,8 @@ class Nightjar(LengthPolicy):
         state = self.states.get(key)
         if state is None:
             arms = self.max_len + 1
-            state = self.states[key] = _BatchState(seconds=[0.0] * arms, tokens=[0] * arms, fastest=[math.inf] * arms)
+            state = self.states[key] = _BatchState(seconds=[0.0] * arms, tokens=[0] * arms, row_steps=[0] * arms,
+                                                   fastest=[math.inf] * arms)
         if state.round == 1:                                      # a bin starts: lock its k
             arms = self._arms(state)
             if self.rng.random() < 1.0 / state.bin:
@@ -130,6 +138,7 @@ class Nightjar(LengthPolicy):
         k, seconds, rows = record.k, record.draft_s + record.verify_s, record.batch_size
         state.seconds[k] += seconds
         state.tokens[k] += tokens
+        state.row_steps[k] += rows
         if not self.switched and (k == 0 or max(record.proposed) == k):   # a clean, full-length step
             state.fastest[k] = min(state.fastest[k], seconds / rows)
             if k:
