@@ -6,7 +6,9 @@
 Methods: `plain` (generate()) and `spec-<drafter>[:<k>]` with drafter one of
   bf16, fp16, int8   a copy of the target derived offline (hf_specdec.self_draft),
   pld                prompt lookup (hf_specdec.PromptLookupDrafter),
-  draft              the model given by --draft (a hub id or a path, same vocabulary);
+  draft              the model given by --draft (a hub id or a path, same vocabulary),
+  hier               the 3-model hierarchy int8 copy -> bf16 copy -> target (HierarchicalDrafter,
+                     3 drafts per inner cycle, 2 cycles);
 k is the draft length (default 4). The target is the embedded SmolLM2-135M-Instruct unless
 --target names a model id/path (e.g. Qwen/Qwen2.5-1.5B-Instruct with --draft Qwen/Qwen2.5-0.5B-Instruct),
 or `tiny-random` (a random tiny Llama with SmolLM2's tokenizer: for tests of the pipeline).
@@ -42,7 +44,7 @@ from eval.humaneval_data import load_pass_at_k_metric, load_problems, truncate_c
 from eval.sandbox import run_checks  # noqa: E402
 
 logger = logging.getLogger("humaneval")
-DRAFTER_KINDS = ("bf16", "fp16", "int8", "pld", "draft")
+DRAFTER_KINDS = ("bf16", "fp16", "int8", "pld", "draft", "hier")   # hier: int8 -> bf16 -> target
 # Codex's stop sequences, plus the end of the code block the chat prompt style opens
 STOP_SEQUENCES = (*CODEX_STOPS, "```")
 
@@ -93,6 +95,9 @@ def load_models(args, methods):
     for kind in {m.drafter for m in methods} - {None}:
         if kind == "pld":
             drafters[kind] = hf_specdec.PromptLookupDrafter()
+        elif kind == "hier":
+            drafters[kind] = hf_specdec.HierarchicalDrafter(hf_specdec.self_draft(target, "int8"),
+                                                            hf_specdec.self_draft(target, "bf16"), draft_len=3, cycles=2)
         elif kind == "draft":
             drafters[kind] = hf_specdec.ModelDrafter(AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval())
         else:

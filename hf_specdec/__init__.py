@@ -4,8 +4,10 @@
     model.generate(**inputs, assistant_models=[draft], spec_policy=hf_specdec.FixedLength(4))
     model.generate(**inputs, assistant_models=[draft_a, draft_b, hf_specdec.PromptLookupDrafter()],
                    spec_policy=hf_specdec.HedgeSpec())
+    model.generate(**inputs, assistant_models=[hf_specdec.HierarchicalDrafter(draft, intermediate)])
 """
-from .drafters import DatastoreDrafter, Drafter, ModelDrafter, PromptLookupDrafter, self_draft
+from .drafters import (DatastoreDrafter, Drafter, HierarchicalDrafter, ModelDrafter, PromptLookupDrafter, chain,
+                       self_draft)
 from .enable import disable, enable
 from .generate import generate
 from .costmodel import CostProfile, LatencyModel, SwitchCostTable
@@ -16,6 +18,7 @@ from .verify import VerifyResult, verify
 
 __all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold",
            "Nightjar", "AdaSpec", "DSDGoodput", "CostProfile", "LatencyModel", "SwitchCostTable", "FixedDrafter", "HedgeSpec",
-           "UCBSpec", "EXP3Spec", "Drafter", "ModelDrafter", "PromptLookupDrafter", "DatastoreDrafter", "self_draft", "SpecStats", "StepRecord", "verify",
+           "UCBSpec", "EXP3Spec", "Drafter", "ModelDrafter", "PromptLookupDrafter", "DatastoreDrafter",
+           "HierarchicalDrafter", "chain", "self_draft", "SpecStats", "StepRecord", "verify",
            "VerifyResult"]
 __version__ = "0.1.0"

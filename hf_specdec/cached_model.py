@@ -25,10 +25,12 @@ class CachedModel:
         self.device = next(model.parameters()).device
         self._logits_to_keep = _compat.accepts_logits_to_keep(model)
         self.cache = None
+        self.forwards = 0   # in this generate() call
 
     def reset(self, batch: SequenceBatch) -> None:
         n = len(batch.active)
         self.cache = _compat.new_cache(self.model)
+        self.forwards = 0
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
@@ -70,6 +72,7 @@ class CachedModel:
         out = self.model(input_ids=tokens, attention_mask=self.slot_mask.long(), position_ids=positions,
                          past_key_values=self.cache, use_cache=True, **kwargs)
         self.num_real += real.sum(1)
+        self.forwards += 1
         return out.logits[:, -keep:].to(device=out_device, dtype=torch.float32)
 
     def rollback(self, spec_start: int, keep: torch.Tensor) -> None:
@@ -84,7 +87,22 @@ class CachedModel:
         self.num_real -= drop.sum(1)
         self.slot_mask[:, spec_start:] = spec & ~drop
         self.fed += keep.to(self.fed.device)
-        # slots that are holes in every row at the end cost attention for nothing: crop them
+        self._crop_holes()
+
+    def truncate(self, ends: torch.Tensor) -> None:
+        """Forget row b's fed tokens from buffer position ends[b] on (its last real slots)."""
+        drop = (self.fed - ends).clamp(min=0)                                    # [n]
+        if not bool(drop.any()):
+            return
+        after = self.slot_mask.flip(1).long().cumsum(1).flip(1)   # [n, slots]: real slots at or after s
+        kill = self.slot_mask & (after <= drop.to(self.device)[:, None])
+        self.slot_mask &= ~kill
+        self.num_real -= kill.sum(1)
+        self.fed -= drop
+        self._crop_holes()
+
+    def _crop_holes(self) -> None:
+        """Slots that are holes in every row at the end cost attention for nothing: crop them."""
         used = self.slot_mask.any(0).nonzero()
         last_used = int(used[-1]) + 1 if len(used) else 0
         _compat.crop(self.cache, self.num_slots - last_used)

@@ -22,8 +22,8 @@ from hf_specdec.testing import build, noisy_copy, prompts
 ALPHA = 0.7          # per-token acceptance in the simulation
 
 
-def expected_tokens(k):
-    return (1 - ALPHA ** (k + 1)) / (1 - ALPHA)
+def expected_tokens(k, alpha=ALPHA):
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def step_time(batch, k):
@@ -38,8 +38,8 @@ def optimum(batch, max_len=6):
 class Sim:
     """Plays a length policy against the simulated environment; rows emit the expected tokens."""
 
-    def __init__(self, policy, switch_seconds=0.0, seed=0):
-        self.policy, self.switch_seconds = policy, switch_seconds
+    def __init__(self, policy, switch_seconds=0.0, seed=0, alpha=ALPHA):
+        self.policy, self.switch_seconds, self.alpha = policy, switch_seconds, alpha
         self.rng = random.Random(seed)
         self.previous_k, self.lag, self.step = None, 0, 0
         self.choices = []
@@ -53,7 +53,7 @@ class Sim:
                 seconds += self.switch_seconds            # the draft catches up its lag
             self.lag = self.lag + 1 if k == 0 else 0
             # each row emits floor or ceil of the expected tokens, at the rate that makes it exact on average
-            whole, frac = divmod(expected_tokens(k), 1)
+            whole, frac = divmod(expected_tokens(k, self.alpha), 1)
             emitted = [int(whole) + (self.rng.random() < frac) for _ in range(batch)]
             drafting = seconds * 0.15 * batch * k / (1 + 0.3 * batch * k)   # half the extra time drafts
             self.policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, [e - 1 for e in emitted],
@@ -108,8 +108,14 @@ def test_nightjar_prunes_arms_that_cannot_beat_plain_even_if_every_draft_is_acce
     pruned, paper = speculative_steps(True), speculative_steps(False)
     assert pruned <= 10 and paper > 5 * pruned, (pruned, paper)    # a k=1 step bounds every longer k
     sim = Sim(hf_specdec.Nightjar(max_len=6, prune=True, seed=4))
-    low = sim.run(1, 1500)                              # where speculation pays nothing is pruned away
+    low = sim.run(1, 1500)                              # where speculation pays, the optimum survives
     assert Counter(low[-300:]).most_common(1)[0][0] == optimum(1)
+
+    def useless_steps(prune):                           # drafts never accepted: pooled first-draft bound
+        sim = Sim(hf_specdec.Nightjar(max_len=6, prune=prune, seed=5), alpha=0.0)
+        return sum(k > 0 for k in sim.run(1, 1500))
+    pruned, paper = useless_steps(True), useless_steps(False)
+    assert pruned < 150 and paper > 3 * pruned, (pruned, paper)
 
 
 def test_nightjar_decision_costs_under_20_microseconds():

@@ -5,12 +5,13 @@ import torch
 
 from .base import Drafter, LookupDrafter, Prediction, Proposal
 from .datastore import DatastoreDrafter
+from .hierarchical import HierarchicalDrafter, LevelStats, chain
 from .model import ModelDrafter, output_vocab_size
 from .ngram import PromptLookupDrafter
 from .self_draft import self_draft
 
 __all__ = ["Drafter", "LookupDrafter", "Prediction", "Proposal", "ModelDrafter", "PromptLookupDrafter",
-           "DatastoreDrafter", "self_draft", "as_drafter", "output_vocab_size"]
+           "DatastoreDrafter", "HierarchicalDrafter", "LevelStats", "chain", "self_draft", "as_drafter", "output_vocab_size"]
 
 
 def as_drafter(obj, index: int = 0) -> Drafter:

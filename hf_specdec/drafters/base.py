@@ -58,6 +58,10 @@ class Drafter:
         """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
         raise NotImplementedError(f"{type(self).__name__} does not support full-information feedback")
 
+    def discard_after(self, ends: torch.Tensor) -> None:
+        """Forget whatever was fed past buffer position ends[b] of each active row (a drafter
+        inside a hierarchy ran ahead of what the target accepted)."""
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Only rows `keep` (indices into the previous active rows) continue."""
 

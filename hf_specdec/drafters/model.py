@@ -106,6 +106,10 @@ class ModelDrafter(Drafter):
         probs = self.sampler.probs(scores) if self.sampler.do_sample else None
         return Prediction(scores.argmax(-1), j[:, :-1] < count[:, None], probs)
 
+    def discard_after(self, ends):
+        self.runner.truncate(ends)
+        self._head = None
+
     def select_rows(self, keep):
         self.runner.select_rows(keep)
         # logits live on the batch's device, like `keep`

@@ -12,8 +12,10 @@ small batch its (positive) k is found again: no decision deadlock.
 
 Ours, beyond the paper (`prune=True`): exploration and exploitation skip arms that, with high
 confidence, lose to plain decoding. Arm k's optimistic latency per token is its fastest step
-seconds per row divided by an upper confidence bound on its tokens per row-step (Hoeffding:
-mean + k sqrt(ln(1/delta) / 2n), at most k + 1; delta = e^-4); an untried longer arm k' is
+seconds per row divided by an upper confidence bound on its tokens per row-step: the least of
+k + 1, its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding, delta = e^-4), and 1 + k a, a = upper
+bound of the first draft's acceptance rate, which every arm measures (a draft is accepted only
+after the first one is, so E[tokens] <= 1 + k P(first accepted)); an untried longer arm k' is
 bounded by the longest tried arm k plus (k' - k) more draft forwards, all accepted:
 (s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and draft. An arm whose
 bound exceeds plain decoding's measured latency per token is left out (until plain's measure
@@ -46,6 +48,8 @@ class _BatchState:
     row_steps: list[int] = field(default_factory=list)  # by k: rows x steps
     fastest: list[float] = field(default_factory=list)  # by k: least step seconds per row (no catch-up)
     draft_per_token: float = math.inf                    # least drafting seconds per row and draft
+    first_judged: int = 0                                # row-steps that proposed at least one draft
+    first_accepted: int = 0                              # of which the first draft was accepted
 
     def latency(self, k: int) -> float:
         return self.seconds[k] / self.tokens[k] if self.tokens[k] else math.inf
@@ -54,13 +58,24 @@ class _BatchState:
         """Optimistic latency per token of arm k (a lower bound with probability >= 1 - e^-4)."""
         if self.fastest[k] < math.inf:
             n = self.row_steps[k]
-            tokens = min(k + 1.0, self.tokens[k] / n + k * math.sqrt(_LOG_INV_DELTA / (2 * n)))
+            tokens = min(k + 1.0, self.tokens[k] / n + k * _radius(n), 1 + k * self._first_acceptance())
             return self.fastest[k] / tokens
         tried = [j for j in range(1, k) if self.fastest[j] < math.inf]
         if not tried or self.draft_per_token == math.inf:
             return 0.0
         j = tried[-1]
-        return (self.fastest[j] + (k - j) * self.draft_per_token) / (k + 1)
+        return (self.fastest[j] + (k - j) * self.draft_per_token) / min(k + 1.0, 1 + k * self._first_acceptance())
+
+    def _first_acceptance(self) -> float:
+        """Upper confidence bound of P(a row's first draft is accepted)."""
+        if not self.first_judged:
+            return 1.0
+        return self.first_accepted / self.first_judged + _radius(self.first_judged)
+
+
+def _radius(n: int) -> float:
+    """Hoeffding radius of a mean of n samples in [0, 1] at confidence 1 - e^-4."""
+    return math.sqrt(_LOG_INV_DELTA / (2 * n))
 
 
 class Nightjar(LengthPolicy):
@@ -139,6 +154,8 @@ class Nightjar(LengthPolicy):
         state.seconds[k] += seconds
         state.tokens[k] += tokens
         state.row_steps[k] += rows
+        state.first_judged += sum(p > 0 for p in record.proposed)
+        state.first_accepted += sum(a > 0 for a in record.accepted)
         if not self.switched and (k == 0 or max(record.proposed) == k):   # a clean, full-length step
             state.fastest[k] = min(state.fastest[k], seconds / rows)
             if k:

@@ -1,0 +1,209 @@
+"""Hierarchical speculation: a draft -> intermediate chain that drafts for the target.
+
+Per target step, up to `cycles` inner cycles: the draft proposes `draft_len` tokens per row, the
+intermediate verifies them with the shared `verify()` (one forward), and each row appends its
+accepted drafts plus the intermediate's replacement or bonus token. Speculative sampling makes
+every appended token an exact sample from the intermediate's processed distribution q_i given the
+row's prefix, and whether a position is produced depends only on earlier positions, so the
+rows' tokens are an ordinary variable-length draft from q_i: the target verifies it with q_i as
+the proposal distribution (greedy: the intermediate's argmax chain) and stays lossless.
+
+Each model keeps its own cache and lag; rows advance independently (per-row counts). The draft
+can itself be a `HierarchicalDrafter` or any drafter (e.g. prompt lookup), so chains of any
+length are nested pairs: `HierarchicalDrafter(HierarchicalDrafter(d0, d1), d2)`, or `chain(...)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sequences import SequenceBatch
+from ..verify import verify
+from .base import Controller, Drafter, Prediction, Proposal
+from .model import ModelDrafter
+
+
+@dataclass
+class LevelStats:
+    """Draft -> intermediate counters of one generate() call."""
+
+    cycles: int = 0                  # intermediate verification forwards
+    proposed: int = 0                # draft tokens the intermediate judged (summed over rows)
+    accepted: int = 0                # of which it accepted
+    produced: int = 0                # tokens handed on (accepted + replacement/bonus, summed over rows)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+class HierarchicalDrafter(Drafter):
+    """draft: the cheaper drafter (a causal LM or any Drafter); intermediate: a causal LM (its
+    distribution is the proposal the target sees); draft_len: drafts per inner cycle, an int >= 1
+    or a LengthPolicy (chooses per cycle, observes each cycle); cycles: inner cycles per target
+    step at most (fewer once every row has k tokens)."""
+
+    def __init__(self, draft, intermediate, draft_len=4, cycles: int = 2, name: str | None = None):
+        from . import as_drafter
+        from ..policies import FixedLength, LengthPolicy
+        self.lower = as_drafter(draft)
+        if isinstance(intermediate, Drafter) and not isinstance(intermediate, ModelDrafter):
+            raise TypeError(f"HierarchicalDrafter(intermediate) must be a causal LM: its distribution is the "
+                            f"target's proposal, got {type(intermediate).__name__}")
+        self.upper = intermediate if isinstance(intermediate, ModelDrafter) else as_drafter(intermediate)
+        if self.lower.vocab_size is not None and self.lower.vocab_size != self.upper.vocab_size:
+            raise ValueError(f"HierarchicalDrafter: the draft's vocabulary size {self.lower.vocab_size} differs "
+                             f"from the intermediate's {self.upper.vocab_size}")
+        if isinstance(draft_len, LengthPolicy):
+            self.inner_length = draft_len
+        elif isinstance(draft_len, int) and not isinstance(draft_len, bool) and draft_len >= 1:
+            self.inner_length = FixedLength(draft_len)
+        else:
+            raise ValueError(f"HierarchicalDrafter(draft_len) must be an integer >= 1 or a LengthPolicy, got {draft_len!r}")
+        if isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 1:
+            raise ValueError(f"HierarchicalDrafter(cycles) must be an integer >= 1, got {cycles!r}")
+        self.cycles = cycles
+        self.vocab_size = self.upper.vocab_size
+        self.name = name or f"{self.lower.name}->{self.upper.name}"
+        self.stats = LevelStats()
+
+    def begin(self, batch: SequenceBatch, sampler) -> None:
+        super().begin(batch, sampler)
+        self.lower.begin(batch, sampler)
+        self.upper.begin(batch, sampler)
+        self.stats = LevelStats()
+        self._cycle = 0
+
+    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
+        rows = batch.active
+        start = batch.lengths[rows].clone()                                 # [n]
+        produced = torch.zeros_like(start)                                  # [n] tokens made so far
+        saved = batch.lengths.clone()
+        logits_out, scores_out = [], []                                     # per cycle: [n, w+1, vocab]
+        columns = []                                                        # per cycle: [n, w+1] output column
+        try:
+            for _ in range(self.cycles):
+                missing = int((k - produced).max())
+                if missing <= 0:
+                    break
+                batch.lengths[rows] = start + produced                      # the chain's own prefix
+                logits, scores, accepted = self._cycle_once(batch, min(self._inner_k(batch), missing - 1))
+                at = produced[:, None] + torch.arange(logits.shape[1], device=start.device)[None, :]
+                columns.append(torch.where(torch.arange(logits.shape[1], device=start.device)[None, :]
+                                           <= accepted[:, None], at, -1))
+                logits_out.append(logits)
+                scores_out.append(scores)
+                produced += accepted + 1
+        finally:
+            batch.lengths.copy_(saved)
+        self._start, self._produced = start, produced
+        # gather each row's output columns 0..k-1 from the cycles that made them
+        width = int(produced.clamp(max=k).max())
+        # logits one column further: after k accepted tokens, the next prediction is known too
+        logits = self._gather(columns, logits_out, int(produced.clamp(max=k + 1).max()))
+        scores = self._gather(columns, scores_out, width)
+        tokens = batch.tokens[rows[:, None], start[:, None] + torch.arange(width, device=start.device)[None, :]]
+        dist = self.sampler.probs(scores)
+        confidence = dist.gather(-1, tokens[..., None]).squeeze(-1)
+        # the intermediate now holds its logits for positions start.. (its replay needs no forward)
+        self.upper._known, self.upper._known_start = logits, start
+        return Proposal(tokens, produced.clamp(max=k), dist if self.sampler.do_sample else None, confidence)
+
+    def _inner_k(self, batch: SequenceBatch) -> int:
+        from ..policies import StepContext
+        rows = batch.active
+        ctx = StepContext(self._cycle, len(rows), 1, rows.tolist(),
+                          context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()))
+        return max(0, int(self.inner_length.choose(ctx)))
+
+    def _cycle_once(self, batch: SequenceBatch, kd: int):
+        """Draft kd tokens per row, verify them with the intermediate, append accepted + 1 to the
+        buffer. Returns the intermediate's logits and processed scores [n, w+1, vocab] for the
+        positions from the row's length on, and the accepted counts [n]."""
+        from ..stats import StepRecord
+        rows = batch.active
+        length = batch.lengths[rows]
+        batch.reserve(kd + 1)
+        if kd:
+            proposal = self.lower.propose(batch, kd)
+            lens = proposal.lengths
+            width = int(lens.max())
+            drafts, probs = proposal.tokens[:, :width], proposal.probs
+            probs = probs[:, :width] if probs is not None else None
+        else:
+            lens = torch.zeros_like(length)
+            width, drafts, probs = 0, torch.zeros(len(rows), 0, dtype=torch.long, device=length.device), None
+        batch.write(rows, length, drafts)
+        runner, head = self.upper.runner, self.upper._head
+        draft_real = torch.arange(width, device=length.device)[None, :] < lens[:, None]
+        if head is not None and int(runner.lag(batch).max()) == 0:        # caught up by a replay
+            spec_start = runner.num_slots
+            rest = runner.forward(drafts, draft_real, width) if width else head[:, None][:, :0]
+            logits = torch.cat([head[:, None], rest], 1)
+        else:
+            pending, real = runner.pending(batch)
+            spec_start = runner.num_slots + pending.shape[1]
+            logits = runner.forward(torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1), width + 1)
+        self.upper._head = None
+        scores = self.sampler.scores(batch, logits)
+        result = verify(drafts, lens, scores, probs, self.sampler.do_sample, self.sampler.generator)
+        runner.rollback(spec_start, result.num_accepted)
+        if kd:
+            self.lower.accepted(result.num_accepted)
+        batch.tokens[rows, length + result.num_accepted] = result.next_tokens
+        self.stats.cycles += 1
+        self.stats.proposed += int(lens.sum())
+        self.stats.accepted += int(result.num_accepted.sum())
+        self.stats.produced += int(result.num_accepted.sum()) + len(rows)
+        self.inner_length.observe(StepRecord(len(rows), [0 if kd else -1] * len(rows), kd, lens.tolist(),
+                                             result.num_accepted.tolist(), (result.num_accepted + 1).tolist(),
+                                             0.0, 0.0, rows.tolist()))
+        self._cycle += 1
+        return logits, scores, result.num_accepted
+
+    @staticmethod
+    def _gather(columns: list[torch.Tensor], values: list[torch.Tensor], width: int) -> torch.Tensor:
+        """[n, width, vocab]: output column c of row b from the cycle whose `columns` maps to c."""
+        n, vocab = values[0].shape[0], values[0].shape[-1]
+        out = values[0].new_zeros(n, width + 1, vocab)
+        for where, value in zip(columns, values):
+            where = torch.where((where >= 0) & (where < width), where, width)   # the rest: a spare column
+            out.scatter_(1, where[..., None].expand(-1, -1, vocab), value)
+        return out[:, :width]
+
+    def accepted(self, num_accepted: torch.Tensor) -> None:
+        """The target accepted num_accepted[b] of row b's tokens: both levels forget the rest."""
+        ends = self._start + num_accepted
+        self.lower.discard_after(ends)
+        self.upper.discard_after(ends)
+        # logits after each accepted token are still right; the next one too, if it was produced
+        self.upper._known_count = torch.minimum(num_accepted + 1, self._produced)
+
+    def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
+        """The chain proposes from the intermediate's distribution: score that."""
+        return self.upper.replay(batch, start)
+
+    def forwards(self) -> list[tuple[str, int]]:
+        """(name, forward passes in this generate() call) of each model in the chain, cheapest first."""
+        lower = self.lower.forwards() if isinstance(self.lower, HierarchicalDrafter) else \
+            [(self.lower.name, self.lower.runner.forwards)] if isinstance(self.lower, ModelDrafter) else []
+        return lower + [(self.upper.name, self.upper.runner.forwards)]
+
+    def discard_after(self, ends: torch.Tensor) -> None:
+        self.lower.discard_after(ends)
+        self.upper.discard_after(ends)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.lower.select_rows(keep)
+        self.upper.select_rows(keep)
+
+
+def chain(models: list, draft_len=4, cycles: int = 2) -> Drafter:
+    """Drafters cheapest first (the last one drafts for the target): nested HierarchicalDrafters."""
+    if not isinstance(models, (list, tuple)) or len(models) < 2:
+        raise ValueError(f"chain(models) needs a list of at least 2 models, cheapest first, got {models!r}")
+    drafter = models[0]
+    for upper in models[1:]:
+        drafter = HierarchicalDrafter(drafter, upper, draft_len, cycles)
+    return drafter
