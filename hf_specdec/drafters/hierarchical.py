@@ -14,11 +14,14 @@ length are nested pairs: `HierarchicalDrafter(HierarchicalDrafter(d0, d1), d2)`,
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from ..policies import FixedLength, LengthPolicy, StepContext
 from ..sequences import SequenceBatch
+from ..stats import StepRecord
 from ..verify import verify
 from .base import Controller, Drafter, Prediction, Proposal
 from .model import ModelDrafter
@@ -45,8 +48,7 @@ class HierarchicalDrafter(Drafter):
     step at most (fewer once every row has k tokens)."""
 
     def __init__(self, draft, intermediate, draft_len=4, cycles: int = 2, name: str | None = None):
-        from . import as_drafter
-        from ..policies import FixedLength, LengthPolicy
+        from . import as_drafter   # (defined in the package that imports this module)
         self.lower = as_drafter(draft)
         if isinstance(intermediate, Drafter) and not isinstance(intermediate, ModelDrafter):
             raise TypeError(f"HierarchicalDrafter(intermediate) must be a causal LM: its distribution is the "
@@ -74,6 +76,7 @@ class HierarchicalDrafter(Drafter):
         self.upper.begin(batch, sampler)
         self.stats = LevelStats()
         self._cycle = 0
+        self.inner_length.begin(self._context(batch))
 
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         rows = batch.active
@@ -110,21 +113,22 @@ class HierarchicalDrafter(Drafter):
         self.upper._known, self.upper._known_start = logits, start
         return Proposal(tokens, produced.clamp(max=k), dist if self.sampler.do_sample else None, confidence)
 
-    def _inner_k(self, batch: SequenceBatch) -> int:
-        from ..policies import StepContext
+    def _context(self, batch: SequenceBatch) -> StepContext:
         rows = batch.active
-        ctx = StepContext(self._cycle, len(rows), 1, rows.tolist(),
-                          context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()))
-        return max(0, int(self.inner_length.choose(ctx)))
+        return StepContext(self._cycle, len(rows), 1, rows.tolist(),
+                           context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()))
+
+    def _inner_k(self, batch: SequenceBatch) -> int:
+        return max(0, int(self.inner_length.choose(self._context(batch))))
 
     def _cycle_once(self, batch: SequenceBatch, kd: int):
         """Draft kd tokens per row, verify them with the intermediate, append accepted + 1 to the
         buffer. Returns the intermediate's logits and processed scores [n, w+1, vocab] for the
         positions from the row's length on, and the accepted counts [n]."""
-        from ..stats import StepRecord
         rows = batch.active
         length = batch.lengths[rows]
         batch.reserve(kd + 1)
+        t0 = time.perf_counter()
         if kd:
             proposal = self.lower.propose(batch, kd)
             lens = proposal.lengths
@@ -135,6 +139,7 @@ class HierarchicalDrafter(Drafter):
             lens = torch.zeros_like(length)
             width, drafts, probs = 0, torch.zeros(len(rows), 0, dtype=torch.long, device=length.device), None
         batch.write(rows, length, drafts)
+        t1 = _synced_clock(length)
         runner, head = self.upper.runner, self.upper._head
         draft_real = torch.arange(width, device=length.device)[None, :] < lens[:, None]
         if head is not None and int(runner.lag(batch).max()) == 0:        # caught up by a replay
@@ -152,13 +157,14 @@ class HierarchicalDrafter(Drafter):
         if kd:
             self.lower.accepted(result.num_accepted)
         batch.tokens[rows, length + result.num_accepted] = result.next_tokens
+        t2 = _synced_clock(length)
         self.stats.cycles += 1
         self.stats.proposed += int(lens.sum())
         self.stats.accepted += int(result.num_accepted.sum())
         self.stats.produced += int(result.num_accepted.sum()) + len(rows)
         self.inner_length.observe(StepRecord(len(rows), [0 if kd else -1] * len(rows), kd, lens.tolist(),
                                              result.num_accepted.tolist(), (result.num_accepted + 1).tolist(),
-                                             0.0, 0.0, rows.tolist()))
+                                             t1 - t0, t2 - t1, rows.tolist()))
         self._cycle += 1
         return logits, scores, result.num_accepted
 
@@ -197,6 +203,13 @@ class HierarchicalDrafter(Drafter):
     def select_rows(self, keep: torch.Tensor) -> None:
         self.lower.select_rows(keep)
         self.upper.select_rows(keep)
+
+
+def _synced_clock(on: torch.Tensor) -> float:
+    """perf_counter once the device of `on` has finished its queued work."""
+    if on.is_cuda:
+        torch.cuda.synchronize(on.device)
+    return time.perf_counter()
 
 
 def chain(models: list, draft_len=4, cycles: int = 2) -> Drafter:

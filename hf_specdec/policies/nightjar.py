@@ -11,16 +11,18 @@ default, each power-of-two bucket of them) keeps its own statistics, so when loa
 small batch its (positive) k is found again: no decision deadlock.
 
 Ours, beyond the paper (`prune=True`): exploration and exploitation skip arms that, with high
-confidence, lose to plain decoding. Arm k's optimistic latency per token is its fastest step
+confidence, lose to another arm (successive elimination): an arm k > 0 whose optimistic latency
+per token exceeds the least pessimistic one of any tried arm (mean step seconds per row over a
+lower confidence bound on its tokens per row-step; plain decoding's tokens are certain) is left
+out until the bounds move. Arm k's optimistic latency per token is its fastest step
 seconds per row divided by an upper confidence bound on its tokens per row-step: the least of
 k + 1, its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding, delta = e^-4), and 1 + k a, a = upper
 bound of the first draft's acceptance rate, which every arm measures (a draft is accepted only
 after the first one is, so E[tokens] <= 1 + k P(first accepted)); an untried longer arm k' is
 bounded by the longest tried arm k plus (k' - k) more draft forwards, all accepted:
-(s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and draft. An arm whose
-bound exceeds plain decoding's measured latency per token is left out (until plain's measure
-changes). Where a speculative step costs many plain ones (a CPU at batch 16: ~20x), or drafts
-are never accepted, uniform exploration would otherwise cost more than the whole run gains.
+(s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and draft. Where a
+speculative step costs many plain ones (a CPU at batch 16: ~20x), or drafts are never accepted,
+uniform exploration would otherwise cost more than the whole run gains.
 """
 from __future__ import annotations
 
@@ -65,6 +67,11 @@ class _BatchState:
             return 0.0
         j = tried[-1]
         return (self.fastest[j] + (k - j) * self.draft_per_token) / min(k + 1.0, 1 + k * self._first_acceptance())
+
+    def worst_case(self, k: int) -> float:
+        """Pessimistic latency per token of a tried arm k."""
+        n = self.row_steps[k]
+        return self.seconds[k] / n / max(1.0, self.tokens[k] / n - k * _radius(n))
 
     def _first_acceptance(self) -> float:
         """Upper confidence bound of P(a row's first draft is accepted)."""
@@ -127,11 +134,14 @@ class Nightjar(LengthPolicy):
         return k
 
     def _arms(self, state: _BatchState) -> list[int]:
-        """The k worth trying: all, or (prune) those whose best case beats plain decoding."""
-        plain = state.latency(0)
-        if not self.prune or plain == math.inf:
-            return list(range(self.max_len + 1))
-        return [0] + [k for k in range(1, self.max_len + 1) if state.best_case(k) < plain]
+        """The k worth trying: all, or (prune) those whose best case beats every tried arm's worst.
+        0 always stays: staying at 0 is how a switching cost is avoided."""
+        arms = list(range(self.max_len + 1))
+        tried = [k for k in arms if state.tokens[k]]
+        if not self.prune or not tried:
+            return arms
+        bar = min(state.worst_case(k) for k in tried)
+        return [0] + [k for k in arms[1:] if state.best_case(k) <= bar]
 
     def _exploit(self, state: _BatchState, ctx: StepContext, arms: list[int]) -> int:
         switching = self.previous_k == 0
