@@ -141,8 +141,10 @@ class _Loop:
         if k:
             proposal = self.propose(choice, k, drafter_s)
             draft_lens = torch.minimum(proposal.lengths, room)
-            if self._trims and proposal.confidence is not None:
-                confidence = [c[:n] for c, n in zip(proposal.confidence.tolist(), draft_lens.tolist())]
+            if self._trims:      # a drafter without confidences (n-gram lookup) is certain: 1.0
+                confidence = proposal.confidence if proposal.confidence is not None else \
+                    torch.ones_like(proposal.tokens, dtype=torch.float)
+                confidence = [c[:n] for c, n in zip(confidence.tolist(), draft_lens.tolist())]
                 wanted = torch.tensor(self.policy.length.verify_lengths(confidence), device=draft_lens.device)
                 draft_lens = torch.minimum(draft_lens, wanted.clamp(min=0))
             # verify only as many positions as the longest proposal (n-gram drafters may find nothing)

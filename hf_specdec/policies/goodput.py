@@ -135,9 +135,6 @@ class AdaSpec(LengthPolicy):
         return [_cumulative([self.calibration(c) for c in row]) for row in confidences]
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
-        for row in confidences:                         # correct the guess with what was drafted
-            self.seen += 1
-            self.mean_acceptance += (self.calibration(row[-1]) - self.mean_acceptance) / self.seen
         ar = self._ar(confidences)
         drafted = len(confidences[0])
         now = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
@@ -152,6 +149,10 @@ class AdaSpec(LengthPolicy):
 
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         self.verified = confidences
+        for c in (c for row in confidences for c in row):   # correct the guess with what was drafted
+            self.seen += 1
+            # a running mean that forgets slowly, as the calibration it averages keeps learning
+            self.mean_acceptance += (self.calibration(c) - self.mean_acceptance) / min(self.seen, 50)
         ar = self._ar(confidences)
         drafted = max((len(row) for row in ar), default=0)
         best = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
