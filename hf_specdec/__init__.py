@@ -13,12 +13,13 @@ from .generate import generate
 from .costmodel import CostProfile, LatencyModel, SwitchCostTable
 from .policies import (AdaSpec, ConfidenceThreshold, DSDGoodput, EXP3Spec, FixedDrafter, FixedLength, HedgeSpec,
                        HFHeuristic, Nightjar, SpecPolicy, UCBSpec)
+from .offload import DraftOffload
 from .stats import SpecStats, StepRecord
 from .verify import VerifyResult, verify
 
 __all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold",
            "Nightjar", "AdaSpec", "DSDGoodput", "CostProfile", "LatencyModel", "SwitchCostTable", "FixedDrafter", "HedgeSpec",
            "UCBSpec", "EXP3Spec", "Drafter", "ModelDrafter", "PromptLookupDrafter", "DatastoreDrafter",
-           "HierarchicalDrafter", "chain", "self_draft", "SpecStats", "StepRecord", "verify",
+           "HierarchicalDrafter", "chain", "DraftOffload", "self_draft", "SpecStats", "StepRecord", "verify",
            "VerifyResult"]
 __version__ = "0.1.0"

@@ -40,6 +40,17 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     cache.batch_select_indices(rows)
 
 
+def execution_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: an accelerate hook's `execution_device` if it names one (the
+    weights may be elsewhere, e.g. offloaded), else the device of its first parameter."""
+    hook = getattr(model, "_hf_hook", None)
+    for h in getattr(hook, "hooks", (hook,)):
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(model.parameters()).device
+
+
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 

@@ -22,7 +22,7 @@ from .sequences import SequenceBatch
 class CachedModel:
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = _compat.execution_device(model)
         self._logits_to_keep = _compat.accepts_logits_to_keep(model)
         self.cache = None
         self.forwards = 0   # in this generate() call
@@ -34,6 +34,12 @@ class CachedModel:
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
+
+    def release(self, batch: SequenceBatch) -> None:
+        """Drop the cache and its memory; every row catches up from its first token next time."""
+        forwards = self.forwards
+        self.reset(batch)
+        self.forwards = forwards
 
     @property
     def num_slots(self) -> int:

@@ -64,6 +64,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     target.reset(batch)
     for drafter in drafters:
         drafter.begin(batch, sampler)
+    if policy.offload is not None:
+        policy.offload.begin(drafters, batch)
 
     loop = _Loop(batch, target, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
     stats = loop.run()
@@ -129,10 +131,14 @@ class _Loop:
 
     def step(self, index: int) -> StepRecord:
         batch, rows = self.batch, self.batch.active
-        decision = self.policy.choose(self.context(index))
+        ctx = self.context(index)
+        decision = self.policy.choose(ctx)
         start = batch.lengths[rows].clone()                               # [n]
         room = self.limit[rows] - start - 1                               # drafts that fit
         k = max(0, min(decision.length, int(room.max())))
+        offload = self.policy.offload
+        if offload is not None and not offload.step(ctx, k):             # drafts not on the device
+            k = 0
         batch.reserve(k + 1)
         choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
 
@@ -179,7 +185,8 @@ class _Loop:
         record = StepRecord(len(rows), choice, k, draft_lens.tolist(), result.num_accepted.tolist(),
                             emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s)
         keep = self.retire_finished()
-        if len(batch.active) and self.policy.wants_feedback(index):
+        resident = offload is None or offload.state == "resident"         # scoring runs every drafter
+        if len(batch.active) and resident and self.policy.wants_feedback(index):
             self.feedback(record, start[keep], scores[keep])
         return record
 

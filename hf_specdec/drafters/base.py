@@ -58,6 +58,13 @@ class Drafter:
         """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
         raise NotImplementedError(f"{type(self).__name__} does not support full-information feedback")
 
+    def models(self) -> list[torch.nn.Module]:
+        """The models this drafter runs (what `DraftOffload` moves)."""
+        return []
+
+    def release(self, batch: SequenceBatch) -> None:
+        """Drop every cached state (its models are leaving the device); catch up from scratch later."""
+
     def discard_after(self, ends: torch.Tensor) -> None:
         """Forget whatever was fed past buffer position ends[b] of each active row (a drafter
         inside a hierarchy ran ahead of what the target accepted)."""

@@ -196,6 +196,13 @@ class HierarchicalDrafter(Drafter):
             [(self.lower.name, self.lower.runner.forwards)] if isinstance(self.lower, ModelDrafter) else []
         return lower + [(self.upper.name, self.upper.runner.forwards)]
 
+    def models(self) -> list[torch.nn.Module]:
+        return self.lower.models() + self.upper.models()
+
+    def release(self, batch: SequenceBatch) -> None:
+        self.lower.release(batch)
+        self.upper.release(batch)
+
     def discard_after(self, ends: torch.Tensor) -> None:
         self.lower.discard_after(ends)
         self.upper.discard_after(ends)

@@ -106,6 +106,13 @@ class ModelDrafter(Drafter):
         probs = self.sampler.probs(scores) if self.sampler.do_sample else None
         return Prediction(scores.argmax(-1), j[:, :-1] < count[:, None], probs)
 
+    def models(self):
+        return [self.model]
+
+    def release(self, batch):
+        self.runner.release(batch)
+        self._head = self._known = self._known_count = self._known_start = None
+
     def discard_after(self, ends):
         self.runner.truncate(ends)
         self._head = None

@@ -20,13 +20,22 @@ DEFAULT_LENGTH = 4
 
 
 class SpecPolicy:
-    """A drafter selector plus a length policy; the object `generate()` consults every step."""
+    """A drafter selector plus a length policy; the object `generate()` consults every step.
+    offload: a `hf_specdec.DraftOffload` (True: one with its defaults) that moves the draft models
+    off the accelerator while speculation is off and memory is tight."""
 
-    def __init__(self, selector: DrafterSelector | None = None, length: LengthPolicy | None = None):
+    def __init__(self, selector: DrafterSelector | None = None, length: LengthPolicy | None = None,
+                 offload=None):
         if selector is not None and not isinstance(selector, DrafterSelector):
             raise TypeError(f"selector must be a DrafterSelector, got {type(selector).__name__}")
         if length is not None and not isinstance(length, LengthPolicy):
             raise TypeError(f"length must be a LengthPolicy, got {type(length).__name__}")
+        from ..offload import DraftOffload   # torch-side mechanism; the policies stay pure Python
+        if offload is True:
+            offload = DraftOffload()
+        if offload not in (None, False) and not isinstance(offload, DraftOffload):
+            raise TypeError(f"offload must be a DraftOffload, True or None, got {type(offload).__name__}")
+        self.offload = offload or None
         self.selector = selector or FixedDrafter(0)
         self.length = length or FixedLength(DEFAULT_LENGTH)
 
@@ -45,7 +54,8 @@ class SpecPolicy:
         self.length.observe(record)
 
     def __repr__(self):
-        return f"SpecPolicy(selector={self.selector!r}, length={self.length!r})"
+        offload = f", offload={self.offload!r}" if self.offload else ""
+        return f"SpecPolicy(selector={self.selector!r}, length={self.length!r}{offload})"
 
 
 _SHORTCUTS = {"fixed": FixedLength, "nightjar": Nightjar}              # take an optional ":<k>"
