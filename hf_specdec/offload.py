@@ -69,11 +69,13 @@ class DraftResidencyHook(ModelHook):
         self.host: dict[str, torch.Tensor] | None = None
         self._incoming: tuple[torch.cuda.Event | None, dict[str, torch.Tensor]] | None = None
         self.execution_device: torch.device | None = None   # read by CachedModel while offloaded
+        self.nbytes = 0
 
     def init_hook(self, module):
         self.slots = _tensor_slots(module)
         self.devices = {name: self._get(name).device for name in self.slots}
         self.execution_device = next(iter(self.devices.values()), torch.device("cpu"))
+        self.nbytes = sum(t.numel() * t.element_size() for t in map(self._get, self.slots))   # when resident
         return module
 
     def pre_forward(self, module, *args, **kwargs):
@@ -85,11 +87,6 @@ class DraftResidencyHook(ModelHook):
     def detach_hook(self, module):
         self.reload(wait=True)
         return module
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the model's tensors take on their devices when resident."""
-        return sum(self._get(n).numel() * self._get(n).element_size() for n in self.slots)
 
     def _get(self, name: str) -> torch.Tensor:
         module, attr, _ = self.slots[name]
@@ -153,9 +150,10 @@ class DraftResidencyHook(ModelHook):
 
     def _install(self) -> None:
         event, incoming = self._incoming
+        for device in {t.device for t in incoming.values()} if event is not None else ():
+            torch.cuda.current_stream(device).wait_event(event)
         for name, tensor in incoming.items():
             if event is not None:    # made on the side stream, used on the current one from now on
-                torch.cuda.current_stream(tensor.device).wait_event(event)
                 tensor.record_stream(torch.cuda.current_stream(tensor.device))
             self._put(name, tensor)
         self._incoming = None
