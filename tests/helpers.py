@@ -1,4 +1,5 @@
 import hf_specdec
+from hf_specdec.policies import LengthPolicy
 
 
 def spec(model, drafters, policy="fixed:4", **kwargs):
@@ -11,3 +12,13 @@ def assert_same(a, b):
     assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
     bad = (a != b).any(1).nonzero().flatten().tolist()
     assert not bad, f"rows {bad} differ:\n{a[bad]}\n{b[bad]}"
+
+
+class Scripted(LengthPolicy):
+    """k = ks(step) for the step-th step of each generate() call."""
+
+    def __init__(self, ks):
+        self.ks = ks
+
+    def choose(self, ctx):
+        return self.ks(ctx.step)

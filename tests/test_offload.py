@@ -5,22 +5,11 @@ import torch
 from accelerate.hooks import AlignDevicesHook, SequentialHook
 
 import hf_specdec
-from helpers import assert_same, spec
+from helpers import Scripted, assert_same, spec
 from hf_specdec.offload import OFFLOADED, RESIDENT, DraftResidencyHook, residency_hook
-from hf_specdec.policies import LengthPolicy
 from hf_specdec.testing import build, noisy_copy, prompts
 
 LOW, HIGH = 1000, 10 ** 12          # fake free bytes: below the threshold / plenty
-
-
-class Scripted(LengthPolicy):
-    """k = ks(step) for the step-th step of each generate() call."""
-
-    def __init__(self, ks):
-        self.ks = ks
-
-    def choose(self, ctx):
-        return self.ks(ctx.step)
 
 
 class Probe:

@@ -1,0 +1,98 @@
+"""Request streams, trace parsing and the serving simulator (pure Python, no models)."""
+import pytest
+
+import hf_specdec
+from helpers import Scripted
+from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
+from hf_specdec.serving import Request, Simulator, load_trace, phased, poisson
+
+
+def profile(target=(0.0, 0.0, 1.0), draft=(0.0, 0.0, 0.1)):
+    return CostProfile(LatencyModel(*target), LatencyModel(*draft), SwitchCostTable([0], [1], [[0.0]]), {})
+
+
+def test_simulator_reproduces_a_hand_computed_case():
+    # target forwards take 1 s, draft forwards 0.1 s, every draft is accepted, k = 2
+    requests = [Request(0, 0.0, 4, 7), Request(1, 2.5, 4, 3)]
+    result = Simulator(profile(), hf_specdec.FixedLength(2), acceptance=1.0).run(requests)
+    # A: prefill ends at 1 (1 token); a step of 2 drafts + verify ends at 2.2 (4 tokens), the next
+    # at 3.4 (7: done). B arrived at 2.5, waits for that step; prefill ends at 4.4 (1 token); it
+    # needs 2 more, so k is capped at 1: 0.1 + 1 -> done at 5.5.
+    a, b = sorted(result.requests, key=lambda r: r.request.id)
+    assert (a.first_token, a.finish) == pytest.approx((1.0, 3.4))
+    assert (b.first_token, b.finish) == pytest.approx((4.4, 5.5))
+    assert [(s.batch_size, s.k, s.emitted) for s in result.steps] == [(1, 2, 3), (1, 2, 3), (1, 1, 2)]
+    summary = result.summary(slo_tpot=0.5)
+    assert summary["tokens_per_s"] == pytest.approx(10 / 5.5)
+    assert summary["mean_latency_s"] == pytest.approx((3.4 + 3.0) / 2)
+    assert a.tpot == pytest.approx(2.4 / 6) and b.tpot == pytest.approx(1.1 / 2)
+    assert summary["slo_attainment"] == 0.5
+
+
+def test_simulator_costs_catch_up_and_batches_arrivals():
+    # the draft pays per fed token here, so its catch-up after plain steps is visible
+    prof = profile(target=(0.0, 0.0, 1.0), draft=(0.0, 0.01, 0.0))
+    policy = hf_specdec.SpecPolicy(length=Scripted(lambda step: 0 if step < 2 else 2))
+    requests = [Request(0, 0.0, 10, 12), Request(1, 0.0, 6, 12)]
+    result = Simulator(prof, policy, acceptance=0.0).run(requests)
+    steps = result.steps
+    assert steps[0].batch_size == 2 and steps[0].time == pytest.approx(2.0)       # one prefill for both
+    # step 2 drafts: catch-up of lag 11 + 2 plain tokens = 13 for 2 rows (0.26 s) + 1 token (0.02 s)
+    assert steps[2].time - steps[1].time == pytest.approx(1.0 + 0.26 + 0.02)
+    assert steps[3].time - steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)       # lag 1 from then on
+
+
+def test_simulator_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="acceptance"):
+        Simulator(profile(), "fixed:2", acceptance=1.5)
+    with pytest.raises(ValueError, match="max_batch"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, max_batch=0)
+    with pytest.raises(TypeError, match="profile"):
+        Simulator({}, "fixed:2", acceptance=0.5)
+
+
+def test_poisson_and_phased_streams():
+    stream = poisson(rate=50, duration=20, seed=1)
+    assert abs(len(stream) - 1000) < 4 * 1000 ** 0.5
+    assert all(a.arrival <= b.arrival for a, b in zip(stream, stream[1:]))
+    assert all(16 <= r.output_len <= 128 and r.prompt_len == 128 for r in stream)
+    three = phased([(10, 5), (10, 50), (10, 5)], seed=2)
+    counts = [sum(lo <= r.arrival < lo + 10 for r in three) for lo in (0, 10, 20)]
+    assert counts[1] > 5 * max(counts[0], counts[2])
+    assert phased([(10, 5)], seed=3) == phased([(10, 5)], seed=3)
+    with pytest.raises(ValueError, match="phases"):
+        phased([(0, 5)])
+    with pytest.raises(ValueError, match="output_len"):
+        poisson(1, 1, output_len=(5, 2))
+
+
+def test_load_trace_formats(tmp_path):
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,374,44\n"
+                     "2023-11-16 18:15:50.9951690,396,109\n"
+                     "2023-11-16 18:16:00.0000000,879,1\n")
+    reqs = load_trace(azure)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(374, 44), (396, 109), (879, 1)]
+    assert [r.arrival for r in reqs] == pytest.approx([0.0, 4.314579, 13.31941], abs=1e-6)
+    plain = tmp_path / "plain.csv"
+    plain.write_text("arrival_s,prompt_len,output_len\n0.5,10,20\n\n1.25,11,21\n")
+    assert load_trace(plain) == [Request(0, 0.5, 10, 20), Request(1, 1.25, 11, 21)]
+    assert len(load_trace(plain, limit=1)) == 1
+
+
+@pytest.mark.parametrize("text,match", [
+    ("", "header"),
+    ("time,in,out\n1,2,3\n", "header"),
+    ("arrival_s,prompt_len,output_len\n", "no requests"),
+    ("arrival_s,prompt_len,output_len\n0,10,20\nsoon,10,20\n", r"plain.csv:3: cannot parse"),
+    ("arrival_s,prompt_len,output_len\n0,10\n", r":2: cannot parse .*3 columns"),
+    ("arrival_s,prompt_len,output_len\n2,10,20\n1,10,20\n", r":3: arrival times must not decrease"),
+    ("arrival_s,prompt_len,output_len\n0,0,20\n", r":2: prompt and output lengths"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 18:15:46.1,374,44\n", r":2: cannot parse"),
+])
+def test_load_trace_rejects_malformed_files(tmp_path, text, match):
+    path = tmp_path / "plain.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
