@@ -37,8 +37,8 @@ def test_simulator_costs_catch_up_and_batches_arrivals():
     result = Simulator(prof, policy, acceptance=0.0).run(requests)
     steps = result.steps
     assert steps[0].batch_size == 2 and steps[0].time == pytest.approx(2.0)       # one prefill for both
-    # step 2 drafts: catch-up of lag 11 + 2 plain tokens = 13 for 2 rows (0.26 s) + 1 token (0.02 s)
-    assert steps[2].time - steps[1].time == pytest.approx(1.0 + 0.26 + 0.02)
+    # step 2 drafts: catch-up of each row's prompt + 3 tokens (13 + 9 tokens: 0.22 s), then 2 tokens
+    assert steps[2].time - steps[1].time == pytest.approx(1.0 + 0.22 + 0.02)
     assert steps[3].time - steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)       # lag 1 from then on
 
 

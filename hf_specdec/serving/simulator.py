@@ -6,11 +6,12 @@ policies can be compared at request rates and model sizes this machine cannot ru
     by one target forward, which also gives each its first token;
   - a step over the B running rows holding C context tokens asks the policy for k (capped so no
     row drafts past its output length) and costs
-        k > 0: T_draft(C, B * L) + sum_{i=1}^{k-1} T_draft(C + i B, B) + T_target(C, B (k + 1))
+        k > 0: T_draft(C, sum_b L_b) + sum_{i=1}^{k-1} T_draft(C + i B, B) + T_target(C, B (k + 1))
         k = 0: T_target(C, B)
-    with L the draft's largest lag (its catch-up forward: the switching cost after k = 0 steps,
-    or a new request's whole prompt) and T(N_context, N_tokens) the `LatencyModel`s of a
-    `CostProfile` (fitted by the profiler, or given for a GPU and model size);
+    with L_b the tokens row b's draft has not been fed (its catch-up: 1-2 in steady state, the
+    switching cost after k = 0 steps, a new request's whole prompt) and T(N_context, N_tokens)
+    the `LatencyModel`s of a `CostProfile` (fitted by the profiler, or given for a GPU and model
+    size); StepContext.max_lag = max_b L_b, as from `generate()`;
   - each row accepts each draft with probability `acceptance` until the first rejection and
     emits accepted + 1 tokens (capped at what it still needs); the policy observes a
     `StepRecord` with the simulated times, as it would from `generate()`.
@@ -127,7 +128,7 @@ class Simulator:
             ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag)
             k = max(0, min(self.policy.choose(ctx).length, room))
             if k:
-                draft_s = draft.forward_time(context, rows * lag) + sum(
+                draft_s = draft.forward_time(context, sum(r.lag for r in running)) + sum(
                     draft.forward_time(context + i * rows, rows) for i in range(1, k))
                 accepted = [min(self._accepted(k), r.request.output_len - r.produced - 1) for r in running]
             else:
