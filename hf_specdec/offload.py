@@ -126,8 +126,8 @@ class DraftResidencyHook(ModelHook):
         cuda = [d for d in self.devices.values() if d.type == "cuda"]
         if cuda:
             stream = torch.cuda.Stream(cuda[0])
-            with torch.cuda.stream(stream):
-                incoming = {n: self.host[n].to(self.devices[n], non_blocking=True) for n in self.slots}
+            with torch.cuda.stream(stream):    # (tensors that live on the CPU anyway: copied too)
+                incoming = {n: self.host[n].to(self.devices[n], non_blocking=True, copy=True) for n in self.slots}
             event = torch.cuda.Event()
             event.record(stream)
         else:
@@ -150,10 +150,10 @@ class DraftResidencyHook(ModelHook):
 
     def _install(self) -> None:
         event, incoming = self._incoming
-        for device in {t.device for t in incoming.values()} if event is not None else ():
+        for device in {t.device for t in incoming.values() if t.is_cuda}:
             torch.cuda.current_stream(device).wait_event(event)
         for name, tensor in incoming.items():
-            if event is not None:    # made on the side stream, used on the current one from now on
+            if tensor.is_cuda:       # made on the side stream, used on the current one from now on
                 tensor.record_stream(torch.cuda.current_stream(tensor.device))
             self._put(name, tensor)
         self._incoming = None
