@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 import hf_specdec
 from hf_specdec.testing import build, noisy_copy
-from bench_lengths import new_tokens  # eval/ is on sys.path when run as a script
+from bench_lengths import new_tokens, parse_env_args  # eval/ is on sys.path when run as a script
 from humaneval_data import load_problems
 
 logger = logging.getLogger("bench_hierarchy")
@@ -86,15 +86,19 @@ ENVS = {"tiny": lambda: tiny_env(False), "tiny-distilled": lambda: tiny_env(True
 
 
 def forward_seconds(model, batch: int, repeats: int = 5) -> float:
-    """Median seconds of a one-token forward after a 64-token prefill, `batch` rows."""
+    """Median seconds of a one-token forward after a 64-token prefill, `batch` rows (any device)."""
     from hf_specdec import _compat
-    ids = torch.randint(3, 1000, (batch, 65), generator=torch.Generator().manual_seed(0))
+    device = _compat.execution_device(model)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = torch.randint(3, 1000, (batch, 65), generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for _ in range(repeats):
         cache = _compat.new_cache(model)
         model(input_ids=ids[:, :64], past_key_values=cache, use_cache=True)
+        sync()
         start = time.perf_counter()
         model(input_ids=ids[:, 64:], past_key_values=cache, use_cache=True)
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -149,9 +153,8 @@ def run_env(name, args) -> dict:
                 row["target_forwards"] = stats.target_forwards
             if isinstance(d, hf_specdec.HierarchicalDrafter):
                 row["accept_inner"] = round(d.stats.acceptance, 3)
+            if d is not None:
                 row["forwards"] = dict(d.forwards())
-            elif d is not None:
-                row["forwards"] = {d.name: d.runner.forwards}
             rows[m] = row
         for r in rows.values():
             r["vs_plain"] = round(r["tokens_per_s"] / rows["plain"]["tokens_per_s"], 3)
@@ -194,13 +197,7 @@ def main(argv=None):
     parser.add_argument("--out", default="results/bench_hierarchy")
     parser.add_argument("--update", action="store_true",
                         help="keep the (env, batch) results already in <out>.json that this run does not redo")
-    args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    unknown = [e for e in args.envs.split(",") if e not in ENVS]
-    if unknown:
-        parser.error(f"--envs: unknown {unknown}; known: {sorted(ENVS)}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_grad_enabled(False)
+    args = parse_env_args(parser, argv, ENVS)
     out = Path(args.out)
     all_results = {}
     if args.update and out.with_suffix(".json").exists():

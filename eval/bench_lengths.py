@@ -210,6 +210,18 @@ def plot(all_results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def parse_env_args(parser: argparse.ArgumentParser, argv, envs: dict) -> argparse.Namespace:
+    """Parse; --batch-sizes to ints, --envs checked against `envs`; logging on, autograd off."""
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    unknown = [e for e in args.envs.split(",") if e not in envs]
+    if unknown:
+        parser.error(f"--envs: unknown {unknown}; known: {sorted(envs)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_grad_enabled(False)
+    return args
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", default="tiny-exact,tiny-useless,smollm2-bf16")
@@ -220,13 +232,7 @@ def main(argv=None):
     parser.add_argument("--learn-runs", type=int, default=2,
                         help="untimed runs of the learning policies per batch size before timing (0: none)")
     parser.add_argument("--out", default="results/bench_lengths")
-    args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    unknown = [e for e in args.envs.split(",") if e not in ENVS]
-    if unknown:
-        parser.error(f"--envs: unknown {unknown}; known: {sorted(ENVS)}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_grad_enabled(False)
+    args = parse_env_args(parser, argv, ENVS)
     all_results = {env: run_env(env, args) for env in args.envs.split(",")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

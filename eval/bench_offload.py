@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_specdec
 from hf_specdec.offload import attach_residency_hook, detach_residency_hook
 from hf_specdec.policies import StepContext
+from bench_hierarchy import forward_seconds  # eval/ is on sys.path when run as a script
 
 
 def llama(hidden, layers, vocab, dtype, device):
@@ -41,35 +42,6 @@ def llama(hidden, layers, vocab, dtype, device):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def timed(fn, device, repeats):
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-@torch.no_grad()
-def decode_forward_seconds(model, device, repeats):
-    """Median seconds of a one-token forward after a 64-token prefill (batch 1)."""
-    cache = hf_specdec._compat.new_cache(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
-    one = ids[:, :1]
-    out = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        model(input_ids=one, past_key_values=cache, use_cache=True)
-        sync(device)
-        out.append(time.perf_counter() - t)
-        hf_specdec._compat.crop(cache, 1)
-    return statistics.median(out)
 
 
 @torch.no_grad()
@@ -106,6 +78,7 @@ def main(argv=None):
     parser.add_argument("--cap-gib", type=float, default=8.0, help="memory cap for the largest-batch search")
     parser.add_argument("--out", default="results/bench_offload")
     args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -114,10 +87,10 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "args": vars(args),
            "draft_params": sum(p.numel() for p in draft.parameters())}
 
-    plain_s = decode_forward_seconds(draft, device, args.repeats)
+    plain_s = forward_seconds(draft, 1, args.repeats)
     hook = attach_residency_hook(draft)
     res["draft_bytes"] = hook.nbytes
-    res["forward_s"] = {"draft_plain": plain_s, "draft_hooked": decode_forward_seconds(draft, device, args.repeats)}
+    res["forward_s"] = {"draft_plain": plain_s, "draft_hooked": forward_seconds(draft, 1, args.repeats)}
     # the hook's own cost, isolated from the forward's noise: pre_forward of a resident draft
     n = 10000
     t = time.perf_counter()

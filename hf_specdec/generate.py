@@ -18,6 +18,7 @@ from . import _compat
 from . import verify as verify_module
 from .cached_model import CachedModel
 from .drafters import Drafter, ModelDrafter, Proposal, as_drafter, output_vocab_size
+from .offload import RESIDENT
 from .policies import LengthPolicy, SpecPolicy, StepContext, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
@@ -185,7 +186,7 @@ class _Loop:
         record = StepRecord(len(rows), choice, k, draft_lens.tolist(), result.num_accepted.tolist(),
                             emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s)
         keep = self.retire_finished()
-        resident = offload is None or offload.state == "resident"         # scoring runs every drafter
+        resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
         if len(batch.active) and resident and self.policy.wants_feedback(index):
             self.feedback(record, start[keep], scores[keep])
         return record

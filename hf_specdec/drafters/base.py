@@ -58,6 +58,10 @@ class Drafter:
         """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
         raise NotImplementedError(f"{type(self).__name__} does not support full-information feedback")
 
+    def forwards(self) -> list[tuple[str, int]]:
+        """(name, forward passes in this generate() call) of each model it runs, cheapest first."""
+        return []
+
     def models(self) -> list[torch.nn.Module]:
         """The models this drafter runs (what `DraftOffload` moves)."""
         return []

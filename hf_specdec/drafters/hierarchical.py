@@ -180,9 +180,7 @@ class HierarchicalDrafter(Drafter):
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
         """The target accepted num_accepted[b] of row b's tokens: both levels forget the rest."""
-        ends = self._start + num_accepted
-        self.lower.discard_after(ends)
-        self.upper.discard_after(ends)
+        self.discard_after(self._start + num_accepted)
         # logits after each accepted token are still right; the next one too, if it was produced
         self.upper._known_count = torch.minimum(num_accepted + 1, self._produced)
 
@@ -191,10 +189,7 @@ class HierarchicalDrafter(Drafter):
         return self.upper.replay(batch, start)
 
     def forwards(self) -> list[tuple[str, int]]:
-        """(name, forward passes in this generate() call) of each model in the chain, cheapest first."""
-        lower = self.lower.forwards() if isinstance(self.lower, HierarchicalDrafter) else \
-            [(self.lower.name, self.lower.runner.forwards)] if isinstance(self.lower, ModelDrafter) else []
-        return lower + [(self.upper.name, self.upper.runner.forwards)]
+        return self.lower.forwards() + self.upper.forwards()
 
     def models(self) -> list[torch.nn.Module]:
         return self.lower.models() + self.upper.models()

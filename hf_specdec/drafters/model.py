@@ -106,6 +106,9 @@ class ModelDrafter(Drafter):
         probs = self.sampler.probs(scores) if self.sampler.do_sample else None
         return Prediction(scores.argmax(-1), j[:, :-1] < count[:, None], probs)
 
+    def forwards(self):
+        return [(self.name, self.runner.forwards)]
+
     def models(self):
         return [self.model]
 
