@@ -40,6 +40,27 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
     cache.batch_select_indices(rows)
 
 
+def append_rows(cache: DynamicCache, rows: int, other: DynamicCache, other_rows: int) -> None:
+    """Append the `other_rows` rows of `other` to the `rows` rows of `cache` (batch dimension).
+    The cache with fewer slots is left-padded with zero slots, which callers mask as holes; a
+    cache without slots yet contributes only such padding."""
+    def filled(layer):
+        return layer.is_initialized and layer.keys.numel() > 0
+    for layer, extra in zip(cache.layers, other.layers):
+        parts = [(layer, rows), (extra, other_rows)]
+        full = [part for part, _ in parts if filled(part)]
+        if not full:
+            continue
+        width = max(part.keys.shape[-2] for part in full)
+        for name in ("keys", "values"):
+            like = getattr(full[0], name)                                      # [n, heads, slots, dim]
+            tensors = [getattr(part, name) if filled(part) else like.new_zeros(n, like.shape[1], 0, like.shape[3])
+                       for part, n in parts]
+            setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))
+                                            for t in tensors], 0))
+        layer.dtype, layer.device, layer.is_initialized = full[0].dtype, full[0].device, True
+
+
 def execution_device(model: torch.nn.Module) -> torch.device:
     """Where `model` computes: an accelerate hook's `execution_device` if it names one (the
     weights may be elsewhere, e.g. offloaded), else the device of its first parameter."""

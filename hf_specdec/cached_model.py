@@ -114,6 +114,18 @@ class CachedModel:
         _compat.crop(self.cache, self.num_slots - last_used)
         self.slot_mask = self.slot_mask[:, :last_used]
 
+    def append(self, other: "CachedModel") -> None:
+        """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
+        with fewer slots gets hole slots on the left, so every row keeps its own positions."""
+        width = max(self.num_slots, other.num_slots)
+        def pad(mask):
+            return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
+        _compat.append_rows(self.cache, len(self.fed), other.cache, len(other.fed))
+        self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
+        self.num_real = torch.cat([self.num_real, other.num_real])
+        self.fed = torch.cat([self.fed, other.fed])
+        self.forwards += other.forwards
+
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
         on_device = keep.to(self.device)

@@ -82,7 +82,7 @@ class _Loop:
         self.batch, self.target, self.drafters, self.policy = batch, target, drafters, policy
         self.sampler, self.stopping_criteria = sampler, stopping_criteria
         self.freeze_finished, self.streamer = freeze_finished, streamer
-        n = len(batch.active)
+        n = batch.tokens.shape[0]                                            # every row, active or not
         self.limit = torch.full((n,), batch.max_length, dtype=torch.long, device=batch.tokens.device)
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
@@ -184,7 +184,8 @@ class _Loop:
         emitted = self.cut_at_stops(start, result.num_accepted + 1)
         batch.lengths[rows] = start + emitted
         record = StepRecord(len(rows), choice, k, draft_lens.tolist(), result.num_accepted.tolist(),
-                            emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s)
+                            emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s,
+                            step=index, lag=ctx.max_lag)
         keep = self.retire_finished()
         resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
         if len(batch.active) and resident and self.policy.wants_feedback(index):

@@ -23,6 +23,8 @@ class StepRecord:
     # the step, per newly verified position, every drafter's acceptance probability gamma
     gammas: dict[int, list[list[float]]] | None = None
     replay_s: dict[int, float] = field(default_factory=dict)   # scoring time per drafter
+    step: int = -1             # index within the call; step 0 also prefills the prompt
+    lag: int = 0               # tokens the drafters had to catch up before drafting (StepContext.max_lag)
 
 
 @dataclass

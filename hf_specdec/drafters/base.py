@@ -76,6 +76,12 @@ class Drafter:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
+    def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
+        """New requests join (continuous batching): `batch.active` are the joining rows only, and
+        they follow the running rows from now on. With `prefill`, feed their prompts now."""
+        if self.models():
+            raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-run")
+
 
 class LookupDrafter(Drafter):
     """A model-free drafter: a deterministic continuation of each row's tokens (q = point mass).

@@ -120,6 +120,15 @@ class ModelDrafter(Drafter):
         self.runner.truncate(ends)
         self._head = None
 
+    def add_rows(self, batch, prefill):
+        joining = CachedModel(self.model)
+        joining.reset(batch)
+        if prefill:
+            joining.forward(*joining.pending(batch), keep=1)
+        self.runner.append(joining)
+        # held logits cover the old rows only: the next proposal catches up instead
+        self._head = self._known = self._known_count = self._known_start = None
+
     def select_rows(self, keep):
         self.runner.select_rows(keep)
         # logits live on the batch's device, like `keep`

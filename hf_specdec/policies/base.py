@@ -13,6 +13,11 @@ def non_negative_int(value, where: str) -> int:
     return value
 
 
+def pow2_bucket(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: batch sizes that share what a policy learns."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
 @dataclass
 class StepContext:
     """What a policy sees before a step."""

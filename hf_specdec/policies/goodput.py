@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..costmodel import CostProfile
 from ..stats import StepRecord
-from .base import LengthPolicy, StepContext, non_negative_int
+from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket
 
 
 def _as_profile(cost_model) -> CostProfile:
@@ -33,15 +33,39 @@ def _as_profile(cost_model) -> CostProfile:
 
 
 class _GoodputModel:
+    """The latency model's goodput, corrected online: per batch bucket, plain and speculative step
+    times are scaled by their measured / modelled ratio (a linear fit misses effects such as a
+    CPU's matrix-vector kernel giving way to a slower matrix-matrix one at two tokens per row)."""
+
     def __init__(self, profile: CostProfile, slo_tpot: float | None):
         if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float))
                                      or slo_tpot <= 0):
             raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
         self.profile, self.slo_tpot = profile, slo_tpot
+        self.scale: dict[tuple[int, bool], tuple[float, int]] = {}   # (bucket, drafting) -> (ratio, steps)
 
-    def step_time(self, batch: int, context: int, drafted: int, verified: list[int]) -> float:
+    def _modelled(self, batch: int, context: int, drafted: int, verified: list[int]) -> float:
         draft = sum(self.profile.draft.forward_time(context + i * batch, batch) for i in range(drafted))
         return draft + self.profile.target.forward_time(context, sum(v + 1 for v in verified))
+
+    def step_time(self, batch: int, context: int, drafted: int, verified: list[int]) -> float:
+        ratio, _ = self.scale.get((pow2_bucket(batch), drafted > 0), (1.0, 0))
+        return ratio * self._modelled(batch, context, drafted, verified)
+
+    def learn(self, record: StepRecord, context: int) -> None:
+        """Fold a measured step into the correction; a step that prefilled the prompt or caught up
+        a lagging draft (costs the linear model does not describe) is left out."""
+        if record.step == 0 or (record.k and record.lag > 1) or not record.batch_size:
+            return
+        drafted = max(record.proposed) if record.k else 0
+        modelled = self._modelled(record.batch_size, context, drafted, record.proposed)
+        if modelled <= 0:
+            return
+        key = (pow2_bucket(record.batch_size), drafted > 0)
+        ratio, n = self.scale.get(key, (1.0, 0))
+        measured = (record.draft_s + record.verify_s) / modelled
+        weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
+        self.scale[key] = (ratio + weight * (measured - ratio), n + 1)
 
     def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> float:
         """ar[b] = acceptance estimates of the drafts row b verifies; -1 when over the SLO."""
@@ -143,6 +167,7 @@ class AdaSpec(LengthPolicy):
         return [more] * len(confidences)
 
     def observe(self, record: StepRecord) -> None:
+        self.model.learn(record, self.ctx.context_tokens)
         if self.verified is not None and isinstance(self.calibration, Calibration):
             for confidences, accepted, proposed in zip(self.verified, record.accepted, record.proposed):
                 self.calibration.update(confidences, accepted, proposed)
@@ -181,14 +206,17 @@ class DSDGoodput(LengthPolicy):
             raise ValueError(f"DSDGoodput(prior_acceptance) must be in [0, 1], got {prior_acceptance!r}")
         self.model = _GoodputModel(_as_profile(cost_model), None)
         self.max_len, self.alpha, self.smoothing = max_len, prior_acceptance, smoothing
+        self.context = 0   # the current step's context tokens
 
     def choose(self, ctx: StepContext) -> int:
+        self.context = ctx.context_tokens
         def value(k):
             ar = [self.alpha ** i for i in range(1, k + 1)]
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, k, [ar] * ctx.batch_size)
         return max(range(self.max_len + 1), key=value)
 
     def observe(self, record: StepRecord) -> None:
+        self.model.learn(record, self.context)
         proposed = sum(record.proposed)
         if record.k and proposed:
             self.alpha += self.smoothing * (sum(record.accepted) / proposed - self.alpha)

@@ -10,19 +10,21 @@ model needs to catch up the L_max tokens it missed while speculation was off. Ea
 default, each power-of-two bucket of them) keeps its own statistics, so when load drops back to a
 small batch its (positive) k is found again: no decision deadlock.
 
-Ours, beyond the paper (`prune=True`): exploration and exploitation skip arms that, with high
-confidence, lose to another arm (successive elimination): an arm k > 0 whose optimistic latency
-per token exceeds the least pessimistic one of any tried arm (mean step seconds per row over a
-lower confidence bound on its tokens per row-step; plain decoding's tokens are certain) is left
-out until the bounds move. Arm k's optimistic latency per token is its fastest step
-seconds per row divided by an upper confidence bound on its tokens per row-step: the least of
-k + 1, its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding, delta = e^-4), and 1 + k a, a = upper
-bound of the first draft's acceptance rate, which every arm measures (a draft is accepted only
-after the first one is, so E[tokens] <= 1 + k P(first accepted)); an untried longer arm k' is
-bounded by the longest tried arm k plus (k' - k) more draft forwards, all accepted:
-(s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and draft. Where a
-speculative step costs many plain ones (a CPU at batch 16: ~20x), or drafts are never accepted,
-uniform exploration would otherwise cost more than the whole run gains.
+Ours, beyond the paper. Statistics leave out the steps that prefill a call's prompt (its first
+step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
+`prune=True`: exploration and exploitation skip arms that, with
+high confidence, lose to another arm (successive elimination): an arm k > 0 whose optimistic
+latency per token exceeds the least pessimistic one of any tried arm (mean step seconds per row
+over a lower confidence bound on its tokens per row-step; plain decoding's tokens are certain) is
+left out until the bounds move. Arm k's optimistic latency per token is its fastest step seconds
+per row divided by an upper confidence bound on its tokens per row-step: the least of k + 1, its
+own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding, delta = e^-4), and 1 + sum_{j<=k} u_j, u_j an
+upper bound of P(a row's first j drafts are accepted). Every arm k' >= j measures that
+probability (drafts do not depend on how many follow them), so the u_j pool all arms and batch
+sizes. An untried longer arm k' is bounded by the longest tried arm k plus (k' - k) more draft
+forwards, all accepted: (s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and
+draft. Where a speculative step costs many plain ones (a CPU at batch 16: ~20x), or drafts are
+rarely accepted, uniform exploration would otherwise cost more than the whole run gains.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Callable
 
 from ..costmodel import CostProfile, SwitchCostTable
 from ..stats import StepRecord
-from .base import LengthPolicy, StepContext, non_negative_int
+from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket
 
 _LOG_INV_DELTA = 4.0   # pruning confidence: ln(1 / delta)
 
@@ -50,34 +52,26 @@ class _BatchState:
     row_steps: list[int] = field(default_factory=list)  # by k: rows x steps
     fastest: list[float] = field(default_factory=list)  # by k: least step seconds per row (no catch-up)
     draft_per_token: float = math.inf                    # least drafting seconds per row and draft
-    first_judged: int = 0                                # row-steps that proposed at least one draft
-    first_accepted: int = 0                              # of which the first draft was accepted
 
     def latency(self, k: int) -> float:
         return self.seconds[k] / self.tokens[k] if self.tokens[k] else math.inf
 
-    def best_case(self, k: int) -> float:
-        """Optimistic latency per token of arm k (a lower bound with probability >= 1 - e^-4)."""
+    def best_case(self, k: int, accepted_ub: list[float]) -> float:
+        """Optimistic latency per token of arm k (a lower bound with probability >= 1 - e^-4);
+        accepted_ub[k] bounds the tokens per row-step of any arm k from above."""
         if self.fastest[k] < math.inf:
             n = self.row_steps[k]
-            tokens = min(k + 1.0, self.tokens[k] / n + k * _radius(n), 1 + k * self._first_acceptance())
-            return self.fastest[k] / tokens
+            return self.fastest[k] / min(accepted_ub[k], self.tokens[k] / n + k * _radius(n))
         tried = [j for j in range(1, k) if self.fastest[j] < math.inf]
         if not tried or self.draft_per_token == math.inf:
             return 0.0
         j = tried[-1]
-        return (self.fastest[j] + (k - j) * self.draft_per_token) / min(k + 1.0, 1 + k * self._first_acceptance())
+        return (self.fastest[j] + (k - j) * self.draft_per_token) / accepted_ub[k]
 
     def worst_case(self, k: int) -> float:
         """Pessimistic latency per token of a tried arm k."""
         n = self.row_steps[k]
         return self.seconds[k] / n / max(1.0, self.tokens[k] / n - k * _radius(n))
-
-    def _first_acceptance(self) -> float:
-        """Upper confidence bound of P(a row's first draft is accepted)."""
-        if not self.first_judged:
-            return 1.0
-        return self.first_accepted / self.first_judged + _radius(self.first_judged)
 
 
 def _radius(n: int) -> float:
@@ -101,13 +95,20 @@ class Nightjar(LengthPolicy):
         self.switch_cost = _as_switch_cost(switch_cost)
         self.rng = random.Random(seed)
         self.states: dict[int, _BatchState] = {}   # learned per batch size, kept across calls
+        self.judged = [0] * (max_len + 1)   # by j: row-steps that asked for >= j drafts (all batch sizes)
+        self.passed = [0] * (max_len + 1)   # by j: of which the first j drafts were accepted
         self.previous_k = None
-        self.switched = False       # this step's k > 0 follows k = 0 (its draft time holds a catch-up)
+        self.drafted = False        # has this call drafted yet?
+        self.switched = False
+        self.measured = False       # does this step's time belong to its arm (not a prompt prefill)?
+
+    def begin(self, ctx: StepContext) -> None:
+        self.drafted = False        # a new call: its first step and first drafts prefill the prompt
 
     def _key(self, batch_size: int) -> int:
         """The bandit a batch size uses: its own, or (pow2) that of the next power of two, so a
         batch shrinking row by row does not meet a fresh, unexplored bandit at every size."""
-        return batch_size if self.buckets == "exact" else 1 << max(batch_size - 1, 0).bit_length()
+        return batch_size if self.buckets == "exact" else pow2_bucket(batch_size)
 
     def choose(self, ctx: StepContext) -> int:
         key = self._key(ctx.batch_size)
@@ -129,7 +130,9 @@ class Nightjar(LengthPolicy):
             if state.bin > math.sqrt(state.horizon):             # block completed
                 state.block += 1
                 state.horizon, state.bin = 2 ** (state.block - 1), 1
-        self.switched = self.previous_k == 0 and k > 0
+        self.measured = ctx.step > 0 and (k == 0 or self.drafted)
+        self.drafted |= k > 0
+        self.switched = self.previous_k == 0 and k > 0   # its draft time holds a catch-up
         self.previous_k = k
         return k
 
@@ -141,7 +144,18 @@ class Nightjar(LengthPolicy):
         if not self.prune or not tried:
             return arms
         bar = min(state.worst_case(k) for k in tried)
-        return [0] + [k for k in arms[1:] if state.best_case(k) <= bar]
+        ub = self._accepted_ub()
+        return [0] + [k for k in arms[1:] if state.best_case(k, ub) <= bar]
+
+    def _accepted_ub(self) -> list[float]:
+        """By k: an upper confidence bound of the tokens a row emits per step with k drafts,
+        1 + sum_{j<=k} u_j, u_j bounding P(first j drafts accepted), non-increasing in j."""
+        out, u = [1.0], 1.0
+        for j in range(1, self.max_len + 1):
+            if self.judged[j]:
+                u = min(u, self.passed[j] / self.judged[j] + _radius(self.judged[j]))
+            out.append(out[-1] + u)
+        return out
 
     def _exploit(self, state: _BatchState, ctx: StepContext, arms: list[int]) -> int:
         switching = self.previous_k == 0
@@ -156,17 +170,19 @@ class Nightjar(LengthPolicy):
         return best
 
     def observe(self, record: StepRecord) -> None:
+        for accepted in record.accepted if record.k <= self.max_len else ():
+            for j in range(1, record.k + 1):
+                self.judged[j] += 1
+                self.passed[j] += accepted >= j
         state = self.states.get(self._key(record.batch_size))
         tokens = sum(record.emitted)
-        if state is None or tokens == 0 or record.k > self.max_len:
+        if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
             return
         k, seconds, rows = record.k, record.draft_s + record.verify_s, record.batch_size
         state.seconds[k] += seconds
         state.tokens[k] += tokens
         state.row_steps[k] += rows
-        state.first_judged += sum(p > 0 for p in record.proposed)
-        state.first_accepted += sum(a > 0 for a in record.accepted)
-        if not self.switched and (k == 0 or max(record.proposed) == k):   # a clean, full-length step
+        if k == 0 or (not self.switched and max(record.proposed) == k):   # full length, no catch-up
             state.fastest[k] = min(state.fastest[k], seconds / rows)
             if k:
                 state.draft_per_token = min(state.draft_per_token, record.draft_s / (rows * k))

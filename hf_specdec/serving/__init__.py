@@ -1,5 +1,8 @@
-"""Serving under dynamic load: request streams and a latency-model simulator of the spec policies."""
-from .simulator import RequestResult, SimResult, Simulator
+"""Serving under dynamic load: request streams, a continuous-batching engine on a real model, and
+a latency-model simulator of the same schedule."""
+from .engine import Engine
+from .simulator import RequestResult, RunResult, RunStep, Simulator
 from .workload import Request, load_trace, phased, poisson
 
-__all__ = ["Request", "poisson", "phased", "load_trace", "Simulator", "SimResult", "RequestResult"]
+__all__ = ["Request", "poisson", "phased", "load_trace", "Engine", "Simulator", "RunResult", "RunStep",
+           "RequestResult"]

@@ -33,6 +33,7 @@ class RequestResult:
     request: Request
     first_token: float     # seconds: when its first output token existed (end of its prefill)
     finish: float          # when its last token existed
+    tokens: int            # output tokens (fewer than request.output_len if it stopped early)
 
     @property
     def latency(self) -> float:
@@ -41,12 +42,12 @@ class RequestResult:
     @property
     def tpot(self) -> float:
         """Seconds per output token after the first (0 for one-token outputs)."""
-        n = self.request.output_len - 1
+        n = self.tokens - 1
         return (self.finish - self.first_token) / n if n else 0.0
 
 
 @dataclass
-class SimStep:
+class RunStep:
     time: float            # when the step ended
     batch_size: int
     k: int
@@ -54,14 +55,17 @@ class SimStep:
 
 
 @dataclass
-class SimResult:
-    requests: list[RequestResult] = field(default_factory=list)
-    steps: list[SimStep] = field(default_factory=list)
+class RunResult:
+    """What a serving run (simulated or real) produced."""
+
+    requests: list[RequestResult] = field(default_factory=list)   # in finishing order
+    steps: list[RunStep] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict)   # request id -> tokens (real runs)
 
     def summary(self, slo_tpot: float | None = None) -> dict:
         """Output tokens/s over the run, mean / p90 end-to-end latency, mean TPOT, SLO attainment."""
         done = self.requests
-        tokens = sum(r.request.output_len for r in done)
+        tokens = sum(r.tokens for r in done)
         span = max(r.finish for r in done) - min(r.request.arrival for r in done)
         latencies = sorted(r.latency for r in done)
         out = {"requests": len(done), "output_tokens": tokens, "tokens_per_s": tokens / span if span else 0.0,
@@ -102,11 +106,11 @@ class Simulator:
             n += 1
         return n
 
-    def run(self, requests: list[Request]) -> SimResult:
+    def run(self, requests: list[Request]) -> RunResult:
         target, draft = self.profile.target, self.profile.draft
         waiting = sorted(requests, key=lambda r: r.arrival)
         running: list[_Row] = []
-        result, t, step = SimResult(), 0.0, 0
+        result, t, step = RunResult(), 0.0, 0
         self.policy.begin(StepContext(0, 0, 1))
         while waiting or running:
             if not running and waiting[0].arrival > t:
@@ -141,14 +145,14 @@ class Simulator:
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
             self.policy.observe(StepRecord(rows, [0 if k else -1] * rows, k, [k] * rows, accepted, emitted,
                                            draft_s, verify_s, ctx.rows))
-            result.steps.append(SimStep(t, rows, k, sum(emitted)))
+            result.steps.append(RunStep(t, rows, k, sum(emitted)))
             running = self._retire(running, t, result)
             step += 1
         return result
 
     @staticmethod
-    def _retire(running: list[_Row], t: float, result: SimResult) -> list[_Row]:
+    def _retire(running: list[_Row], t: float, result: RunResult) -> list[_Row]:
         for r in running:
             if r.produced >= r.request.output_len:
-                result.requests.append(RequestResult(r.request, r.first_token, t))
+                result.requests.append(RequestResult(r.request, r.first_token, t, r.produced))
         return [r for r in running if r.produced < r.request.output_len]

@@ -1,0 +1,139 @@
+"""Continuous batching on a real model: requests arrive over time, join the running batch between
+steps and leave when done; every step is the library's batched speculative step (`_Loop.step`),
+so the spec policy and the offload manager act each step on the current batch.
+
+An evaluation harness, not a server: one process, requests given up front with arrival times.
+Rows of one `SequenceBatch` are reused: a finished request frees its row, and a joining request's
+prompt is written there (left-padded to `max_prompt_len`). Joiners are prefilled on their own (a
+target forward that also gives their first token, and a forward of each model drafter), then their
+KV slots are appended to the running caches (`CachedModel.append`); their row's draft lag is then
+the one token the target just produced, as for every running row. Time is wall-clock time, except
+that idle gaps (nothing running, next arrival in the future) are skipped rather than slept.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria
+
+from ..cached_model import CachedModel
+from ..generate import _Loop, check_spec_args
+from ..offload import RESIDENT
+from ..policies import StepContext
+from ..sampling import TokenSampler
+from ..sequences import SequenceBatch
+from ..stats import SpecStats
+from .simulator import RequestResult, RunResult, RunStep
+from .workload import Request
+
+
+@contextmanager
+def _only(batch: SequenceBatch, rows: torch.Tensor):
+    """Within the block, `rows` are the batch's active rows (what the models and sampler act on)."""
+    active, batch.active = batch.active, rows
+    try:
+        yield
+    finally:
+        batch.active = active
+
+
+class Engine:
+    """model: the target; assistant_models / spec_policy: as for `generate()` (model and lookup
+    drafters); max_batch: most running requests; max_prompt_len: longest prompt admitted;
+    eos_token_id: stop a request at this token (None: run every request to its output_len, as
+    trace replays do). Greedy decoding."""
+
+    def __init__(self, model, assistant_models, spec_policy=None, max_batch: int = 16,
+                 max_prompt_len: int = 512, eos_token_id: int | None = None):
+        for name, value in (("max_batch", max_batch), ("max_prompt_len", max_prompt_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine({name}) must be an integer >= 1, got {value!r}")
+        self.model = model
+        self.drafters, self.policy = check_spec_args(model, assistant_models, spec_policy)
+        self.max_batch, self.max_prompt_len, self.eos_token_id = max_batch, max_prompt_len, eos_token_id
+        pad = model.generation_config.pad_token_id
+        self.pad = int(pad if pad is not None else 0)
+
+    def run(self, requests: Sequence[Request], prompts: Sequence[Sequence[int]]) -> RunResult:
+        """Serve `requests` (prompts[i] = token ids of requests[i]); returns per-request times,
+        per-step batch size and k, and `result.outputs[id]` = the generated token ids."""
+        if len(prompts) != len(requests):
+            raise ValueError(f"prompts must give one token list per request: {len(prompts)} for {len(requests)}")
+        for r, p in zip(requests, prompts):
+            if not 1 <= len(p) <= self.max_prompt_len:
+                raise ValueError(f"request {r.id}: prompt of {len(p)} tokens; expected 1..{self.max_prompt_len}")
+        device = next(self.model.parameters()).device
+        empty = torch.full((self.max_batch, self.max_prompt_len), self.pad, device=device)
+        batch = SequenceBatch(empty, torch.zeros_like(empty), max_length=1 << 30, pad_token_id=self.pad)
+        batch.active = batch.active[:0]
+        target = CachedModel(self.model)
+        target.reset(batch)
+        sampler = TokenSampler(None, False, None)
+        for drafter in self.drafters:
+            drafter.begin(batch, sampler)
+        if self.policy.offload is not None:
+            self.policy.offload.begin(self.drafters, batch)
+        stops = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
+        loop = _Loop(batch, target, self.drafters, self.policy, sampler, stops, True, None)
+        self.stats = SpecStats(drafter_names=[d.name for d in self.drafters])
+
+        waiting = sorted(zip(requests, prompts), key=lambda rp: rp[0].arrival)
+        serving: dict[int, tuple[Request, float]] = {}       # row -> (request, first-token time)
+        result = RunResult()
+        start, skipped = time.perf_counter(), 0.0
+        def now() -> float:
+            return time.perf_counter() - start + skipped
+        self.policy.begin(StepContext(0, 0, len(self.drafters)))
+        while waiting or serving:
+            if not serving and waiting[0][0].arrival > now():
+                skipped += waiting[0][0].arrival - now()      # idle: jump to the next arrival
+            free = [row for row in range(self.max_batch) if row not in serving]
+            joining = []
+            while waiting and waiting[0][0].arrival <= now() and len(joining) < len(free):
+                joining.append(waiting.pop(0))
+            if joining:
+                rows = torch.tensor(free[: len(joining)], device=device)
+                self._join(loop, rows, joining)
+                t = now()
+                serving.update({int(row): (req, t) for row, (req, _) in zip(rows, joining)})
+            if len(batch.active):
+                record = loop.step(len(self.stats.steps))
+                self.stats.steps.append(record)
+                self.policy.observe(record)
+                result.steps.append(RunStep(now(), record.batch_size, record.k, sum(record.emitted)))
+            t, active = now(), set(batch.active.tolist())
+            for row in [row for row in serving if row not in active]:      # finished: frees its row
+                request, first = serving.pop(row)
+                produced = batch.tokens[row, batch.prompt_len: batch.lengths[row]].tolist()
+                result.outputs[request.id] = produced
+                result.requests.append(RequestResult(request, first, t, len(produced)))
+        return result
+
+    def _join(self, loop: _Loop, rows: torch.Tensor, joining: list[tuple[Request, Sequence[int]]]) -> None:
+        """Write the prompts into free `rows`, prefill them in the drafters and the target, pick each
+        one's first token, and append them to the running rows (those not already finished)."""
+        batch, device = loop.batch, rows.device
+        width = max(len(p) for _, p in joining)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for _, p in joining], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in joining], device=device)
+        batch.refill(rows, ids, mask)
+        loop.limit[rows] = batch.prompt_len + torch.tensor([r.output_len for r, _ in joining], device=device)
+        loop.stopped_at[rows] = -1
+        resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
+        joiner = CachedModel(self.model)
+        with _only(batch, rows):
+            for drafter in self.drafters:        # prompts only: their lag is then the first token
+                drafter.add_rows(batch, prefill=resident)
+            joiner.reset(batch)
+            logits = joiner.forward(*joiner.pending(batch), keep=1)             # [m, 1, vocab]
+            first = loop.sampler.pick(loop.sampler.scores(batch, logits)[:, 0])
+            batch.tokens[rows, batch.prompt_len] = first
+            batch.lengths[rows] += 1
+            loop.cut_at_stops(batch.lengths[rows] - 1, torch.ones_like(rows))
+        loop.target.append(joiner)
+        batch.active = torch.cat([batch.active, rows])
+        loop.retire_finished()                   # one-token requests, or a first token that stops
