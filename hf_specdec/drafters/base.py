@@ -77,8 +77,9 @@ class Drafter:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
     def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
-        """New requests join (continuous batching): `batch.active` are the joining rows only, and
-        they follow the running rows from now on. With `prefill`, feed their prompts now."""
+        """New requests join (continuous batching): `batch.active` are the joining rows only (their
+        prompt and first token written), and they follow the running rows from now on. With
+        `prefill`, feed them now."""
         if self.models():
             raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-run")
 

@@ -121,13 +121,18 @@ class ModelDrafter(Drafter):
         self._head = None
 
     def add_rows(self, batch, prefill):
+        # The running rows either lag (the usual case: joiners get their last token unfed, lag 1,
+        # so the next proposal's catch-up reads real logits for them) or, after a replay, are
+        # caught up with a held head (joiners then feed everything and bring their own head).
+        caught_up = self._head is not None and prefill
         joining = CachedModel(self.model)
         joining.reset(batch)
         if prefill:
-            joining.forward(*joining.pending(batch), keep=1)
+            end = batch.lengths[batch.active] - (0 if caught_up else 1)
+            logits = joining.forward(*joining.pending(batch, end), keep=1)        # [m, 1, vocab]
         self.runner.append(joining)
-        # held logits cover the old rows only: the next proposal catches up instead
-        self._head = self._known = self._known_count = self._known_start = None
+        self._head = torch.cat([self._head, logits[:, 0]]) if caught_up else None
+        self._known = self._known_count = self._known_start = None
 
     def select_rows(self, keep):
         self.runner.select_rows(keep)

@@ -21,6 +21,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from ..cached_model import CachedModel
+from ..drafters import Drafter
 from ..generate import _Loop, check_spec_args
 from ..offload import RESIDENT
 from ..policies import StepContext
@@ -54,6 +55,10 @@ class Engine:
                 raise ValueError(f"Engine({name}) must be an integer >= 1, got {value!r}")
         self.model = model
         self.drafters, self.policy = check_spec_args(model, assistant_models, spec_policy)
+        stuck = [i for i, d in enumerate(self.drafters) if d.models() and type(d).add_rows is Drafter.add_rows]
+        if stuck:
+            raise ValueError(f"assistant_models{stuck} cannot take requests mid-run; the engine runs model "
+                             "drafters (ModelDrafter, plain causal LMs) and lookup drafters")
         self.max_batch, self.max_prompt_len, self.eos_token_id = max_batch, max_prompt_len, eos_token_id
         pad = model.generation_config.pad_token_id
         self.pad = int(pad if pad is not None else 0)
@@ -123,17 +128,18 @@ class Engine:
         batch.refill(rows, ids, mask)
         loop.limit[rows] = batch.prompt_len + torch.tensor([r.output_len for r, _ in joining], device=device)
         loop.stopped_at[rows] = -1
+        self.policy.selector.join(rows.tolist())
         resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
         joiner = CachedModel(self.model)
         with _only(batch, rows):
-            for drafter in self.drafters:        # prompts only: their lag is then the first token
-                drafter.add_rows(batch, prefill=resident)
             joiner.reset(batch)
             logits = joiner.forward(*joiner.pending(batch), keep=1)             # [m, 1, vocab]
             first = loop.sampler.pick(loop.sampler.scores(batch, logits)[:, 0])
             batch.tokens[rows, batch.prompt_len] = first
-            batch.lengths[rows] += 1
+            batch.lengths[rows] += 1                 # the first token is the target's lag: 1, as for all
             loop.cut_at_stops(batch.lengths[rows] - 1, torch.ones_like(rows))
+            for drafter in self.drafters:
+                drafter.add_rows(batch, prefill=resident)
         loop.target.append(joiner)
         batch.active = torch.cat([batch.active, rows])
         loop.retire_finished()                   # one-token requests, or a first token that stops

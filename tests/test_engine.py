@@ -1,0 +1,86 @@
+"""Continuous batching on real (tiny) models: requests that join a running batch decode exactly
+as they would alone, finished requests free their rows, bad input is refused up front."""
+import random
+
+import pytest
+import torch
+
+import hf_specdec
+from helpers import Scripted
+from hf_specdec.serving import Engine, Request
+from hf_specdec.testing import build, noisy_copy
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = build("llama", 2, seed=0)
+    return target, noisy_copy(target, 0.3)
+
+
+def stream(n=7, seed=0):
+    """n requests, three at t=0 and the rest arriving while those run, various lengths."""
+    rng = random.Random(seed)
+    requests, prompts = [], []
+    for i in range(n):
+        prompts.append([rng.randint(3, 95) for _ in range(rng.randint(3, 12))])
+        requests.append(Request(i, 0.0 if i < 3 else 0.02 * i, len(prompts[-1]), rng.randint(1, 16)))
+    return requests, prompts
+
+
+def alone(target, prompt, new_tokens, eos=None):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                          eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+    return out[: out.index(eos) + 1] if eos is not None and eos in out else out
+
+
+POLICIES = {
+    "fixed:3": lambda draft: ([draft], hf_specdec.FixedLength(3)),
+    "scripted-two-drafters": lambda draft: ([draft, hf_specdec.PromptLookupDrafter()],
+                                            hf_specdec.SpecPolicy(selector=hf_specdec.HedgeSpec(),
+                                                                  length=Scripted(lambda s: [0, 2, 5, 1][s % 4]))),
+    "nightjar": lambda draft: ([draft], hf_specdec.Nightjar(max_len=4)),
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_requests_joining_mid_run_decode_as_if_alone(models, name):
+    target, draft = models
+    drafters, policy = POLICIES[name](draft)
+    requests, prompts = stream()
+    result = Engine(target, drafters, policy, max_batch=3, max_prompt_len=16).run(requests, prompts)
+    assert max(s.batch_size for s in result.steps) == 3 and len(result.requests) == len(requests)
+    joined_mid_run = [r for r in result.requests if r.first_token > min(s.time for s in result.steps)]
+    assert joined_mid_run                                        # the test exercises joining
+    for request, prompt in zip(requests, prompts):
+        assert result.outputs[request.id] == alone(target, prompt, request.output_len), request
+
+
+def test_a_request_finishing_early_frees_its_row(models):
+    target, draft = models
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    eos = alone(target, prompts[0], 12)[2]                       # request 0 stops at its third token
+    requests = [Request(0, 0.0, 3, 12), Request(1, 0.0, 4, 40), Request(2, 0.0, 2, 5)]
+    result = Engine(target, [draft], "fixed:2", max_batch=2, max_prompt_len=8,
+                    eos_token_id=eos).run(requests, prompts)
+    done = {r.request.id: r for r in result.requests}
+    assert result.outputs[0] == alone(target, prompts[0], 12, eos) and result.outputs[0][-1] == eos
+    assert done[0].tokens < 12                                   # stopped early, at EOS
+    assert done[2].first_token >= done[0].finish                 # waited for a free row ...
+    assert done[2].first_token < done[1].finish                  # ... which it got before 1 ended
+    assert all(s.batch_size <= 2 for s in result.steps)
+    for request, prompt in zip(requests[1:], prompts[1:]):
+        assert result.outputs[request.id] == alone(target, prompt, request.output_len, eos)
+
+
+def test_engine_refuses_bad_input_before_any_work(models):
+    target, draft = models
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(target, [draft], max_batch=0)
+    engine = Engine(target, [draft], max_prompt_len=4)
+    with pytest.raises(ValueError, match="prompt of 5 tokens"):
+        engine.run([Request(0, 0.0, 5, 3)], [[3, 4, 5, 6, 7]])
+    with pytest.raises(ValueError, match="one token list per request"):
+        engine.run([Request(0, 0.0, 2, 3)], [])
+    hierarchy = hf_specdec.HierarchicalDrafter(noisy_copy(target, 0.5), draft)
+    with pytest.raises(ValueError, match="cannot take requests mid-run"):
+        Engine(target, [hierarchy])
