@@ -245,6 +245,28 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     assert drafting_steps(1.5, 16) == 0      # a draft dearer than the target: no acceptance would pay
 
 
+def test_goodput_policies_correct_the_latency_model_with_measured_steps():
+    """Speculative steps measured 4x slower than modelled (as a CPU's matrix-matrix kernel can be)
+    turn drafting off although every draft is accepted; prompt prefills and catch-ups, which the
+    model does not describe, are ignored."""
+    prof = toy_profile()
+    ctx = StepContext(1, 1, 1, [0], context_tokens=64)
+    for policy in (hf_specdec.DSDGoodput(prof), hf_specdec.AdaSpec(prof, calibrate=False, prior_confidence=0.7)):
+        k = policy.choose(ctx)
+        assert k > 0
+        modelled = policy.model.step_time(1, 64, k, [k])
+        outliers = [StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=0),          # prefill
+                    StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=5, lag=40)]  # catch-up
+        for record in outliers:
+            policy.observe(record)
+        assert policy.choose(ctx) == k
+        for step in range(2, 12):
+            policy.verify_lengths([[0.7] * k]) if isinstance(policy, hf_specdec.AdaSpec) else None
+            policy.observe(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 4 * modelled, step=step, lag=1))
+            k = policy.choose(ctx) or k
+        assert policy.choose(ctx) == 0, policy
+
+
 def test_dsd_goodput_can_deadlock_at_zero():
     """The baseline's known weakness: once k = 0, acceptance is no longer measured."""
     policy = hf_specdec.DSDGoodput(toy_profile(draft_ratio=0.5), prior_acceptance=0.05)

@@ -1,0 +1,158 @@
+"""Spec policies under a changing request rate on the real embedded model, and the simulator checked
+against it.
+
+    python eval/bench_serving.py --out results/serving_smollm2
+
+Continuous batching (`hf_specdec.serving.Engine`) of SmolLM2-135M-Instruct with prompt-lookup
+drafts, on a phased Poisson stream (low / high / low rate) of HumanEval prompts whose output
+lengths are drawn per request (EOS ignored, as in trace replays). Policies: plain (k = 0), fixed
+k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator replays the
+same requests with a latency profile measured here and, per policy, the draft acceptance rate
+the engine measured; simulated / measured throughput shows how far the simulator can be trusted.
+Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import hf_specdec
+from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+from hf_specdec.serving import Engine, Request, Simulator, phased
+
+sys.path.insert(0, str(Path(__file__).parent))
+from humaneval_data import load_problems  # noqa: E402
+
+logger = logging.getLogger("bench_serving")
+
+
+def measured_acceptance(stats) -> float:
+    """P(a draft is accepted | the ones before it were): accepted / judged drafts."""
+    judged = sum(min(p, a + 1) for s in stats.steps if s.k for p, a in zip(s.proposed, s.accepted))
+    accepted = sum(sum(s.accepted) for s in stats.steps if s.k)
+    return accepted / judged if judged else 0.0
+
+
+def lookup_profile(model, batch_sizes, context) -> CostProfile:
+    """Target latency model; prompt lookup drafts cost (almost) nothing."""
+    prof = profile(model, model, batch_sizes, (1, 3, 5), (context, 2 * context), (1, 4), repeats=2)
+    return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phases", default="15:0.3,15:3,15:0.3", help="duration:rate,... (s, requests/s)")
+    parser.add_argument("--output-len", default="16,48")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--fixed", default="1,2,3", help="fixed draft lengths to compare")
+    parser.add_argument("--max-len", type=int, default=4)
+    parser.add_argument("--slo-tpot", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/serving_smollm2")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from hf_specdec.embedded import load_smollm2
+    model, tokenizer = load_smollm2()
+    problems = [tokenizer(p["prompt"])["input_ids"] for p in load_problems()]
+    phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
+    lo, hi = (int(x) for x in args.output_len.split(","))
+    stream = phased(phases, prompt_len=1, output_len=(lo, hi), seed=args.seed)
+    prompts = [problems[r.id % len(problems)] for r in stream]
+    requests = [Request(r.id, r.arrival, len(p), r.output_len) for r, p in zip(stream, prompts)]
+    longest = max(len(p) for p in prompts)
+    logger.info("%d requests, prompts of %d..%d tokens", len(requests), min(map(len, prompts)), longest)
+
+    prof = lookup_profile(model, [b for b in (1, 2, 4, 8, 16) if b <= args.max_batch], 128)
+    methods = {"plain": lambda: hf_specdec.FixedLength(0)}
+    methods.update({f"fixed:{k}": (lambda k=int(k): hf_specdec.FixedLength(k)) for k in args.fixed.split(",")})
+    methods.update({"nightjar": lambda: hf_specdec.Nightjar(max_len=args.max_len, switch_cost=prof),
+                    "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=args.max_len)})
+    engine_warmup = Engine(model, [hf_specdec.PromptLookupDrafter()], hf_specdec.FixedLength(2),
+                           max_batch=args.max_batch, max_prompt_len=longest)
+    engine_warmup.run(requests[:2], prompts[:2])
+
+    results = {}
+    for name, make in methods.items():
+        engine = Engine(model, [hf_specdec.PromptLookupDrafter()], make(), max_batch=args.max_batch,
+                        max_prompt_len=longest)
+        with torch.inference_mode():
+            run = engine.run(requests, prompts)
+        alpha = measured_acceptance(engine.stats)
+        sim = Simulator(prof, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed).run(requests)
+        real, simulated = run.summary(args.slo_tpot), sim.summary(args.slo_tpot)
+        results[name] = {"engine": real, "simulator": simulated, "acceptance": round(alpha, 3),
+                         "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
+                         "steps": [(round(s.time, 3), s.batch_size, s.k) for s in run.steps]}
+        logger.info("%s: engine %.1f tok/s, simulator %.1f tok/s (acceptance %.2f), mean k %.2f", name,
+                    real["tokens_per_s"], simulated["tokens_per_s"], alpha, real["mean_k"])
+    by_batch = {name: k_by_batch(r["steps"]) for name, r in results.items()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"args": vars(args), "requests": len(requests), "profile": {"target": vars(prof.target)},
+               "results": results, "mean_k_by_batch": by_batch}
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    table = markdown(results, by_batch, args, len(requests))
+    out.with_suffix(".md").write_text(table)
+    plot(results, phases, out.with_suffix(".png"))
+    print(table)
+
+
+def k_by_batch(steps) -> dict[int, float]:
+    groups: dict[int, list[int]] = {}
+    for _, b, k in steps:
+        groups.setdefault(b, []).append(k)
+    return {b: round(statistics.fmean(ks), 2) for b, ks in sorted(groups.items())}
+
+
+def markdown(results, by_batch, args, n) -> str:
+    lines = [f"# Serving on the embedded model: phased stream {args.phases} ({n} requests), max batch "
+             f"{args.max_batch}, prompt lookup drafts\n",
+             f"| policy | tokens/s | mean / p90 latency s | mean TPOT ms | SLO {args.slo_tpot * 1000:.0f} ms | "
+             "mean k | acceptance | simulated tokens/s | sim / real |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        e = r["engine"]
+        lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['mean_latency_s']:.1f} / {e['p90_latency_s']:.1f} | "
+                     f"{e['mean_tpot_s'] * 1000:.0f} | {e['slo_attainment']:.2f} | {e['mean_k']:.2f} | "
+                     f"{r['acceptance']:.2f} | {r['simulator']['tokens_per_s']:.1f} | {r['sim_over_real']:.2f} |")
+    lines += ["", "Mean k by running batch size:", ""]
+    sizes = sorted({b for d in by_batch.values() for b in d})
+    lines += ["| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for name, d in by_batch.items():
+        lines.append(f"| {name} | " + " | ".join(f"{d[b]:.2f}" if b in d else "" for b in sizes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, phases, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    t, edges = 0.0, []
+    for duration, rate in phases:
+        edges.append((t, t + duration, rate))
+        t += duration
+    axes[0].step([a for a, _, _ in edges] + [edges[-1][1]], [r for _, _, r in edges] + [edges[-1][2]], where="post")
+    axes[0].set_ylabel("arrival rate (req/s)")
+    for name, r in results.items():
+        times = [s[0] for s in r["steps"]]
+        axes[1].plot(times, [s[1] for s in r["steps"]], label=name, lw=0.8)
+        if name in ("nightjar", "adaspec"):
+            axes[2].plot(times, [s[2] for s in r["steps"]], label=name, lw=0.8, marker=".", ms=2)
+    axes[1].set_ylabel("running batch")
+    axes[1].legend(fontsize=7, ncol=3)
+    axes[2].set_ylabel("chosen k")
+    axes[2].set_xlabel("time (s; idle gaps skipped)")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
