@@ -170,10 +170,12 @@ class Nightjar(LengthPolicy):
         return best
 
     def observe(self, record: StepRecord) -> None:
-        for accepted in record.accepted if record.k <= self.max_len else ():
+        if record.k <= self.max_len:                  # every row judged positions 1..k
             for j in range(1, record.k + 1):
-                self.judged[j] += 1
-                self.passed[j] += accepted >= j
+                self.judged[j] += len(record.accepted)
+            for accepted in record.accepted:
+                for j in range(1, min(accepted, record.k) + 1):
+                    self.passed[j] += 1
         state = self.states.get(self._key(record.batch_size))
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
