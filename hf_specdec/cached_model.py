@@ -28,12 +28,14 @@ class CachedModel:
         self.forwards = 0   # in this generate() call
 
     def reset(self, batch: SequenceBatch) -> None:
-        n = len(batch.active)
-        self.cache = _compat.new_cache(self.model)
         self.forwards = 0
+        self._empty(len(batch.active), batch.tokens.device)
+
+    def _empty(self, n: int, buffer_device: torch.device) -> None:
+        self.cache = _compat.new_cache(self.model)
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
-        self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
+        self.fed = torch.zeros(n, dtype=torch.long, device=buffer_device)         # [n]
 
     def release(self, batch: SequenceBatch) -> None:
         """Drop the cache and its memory; every row catches up from its first token next time."""
@@ -128,6 +130,9 @@ class CachedModel:
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
+        if not len(keep):        # no rows left: an empty cache, which rows may `append` to later
+            self._empty(0, self.fed.device)
+            return
         on_device = keep.to(self.device)
         _compat.select_rows(self.cache, on_device)
         self.slot_mask, self.num_real = self.slot_mask[on_device], self.num_real[on_device]

@@ -264,10 +264,9 @@ class _Loop:
         if not bool(done.any()):
             return keep
         batch.active = rows[keep]
-        if len(keep):
-            self.target.select_rows(keep)
-            for drafter in self.drafters:
-                drafter.select_rows(keep)
+        self.target.select_rows(keep)        # even to no rows: the engine may append joiners next
+        for drafter in self.drafters:
+            drafter.select_rows(keep)
         return keep
 
     def stream(self, final: bool) -> None:

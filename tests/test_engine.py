@@ -55,6 +55,19 @@ def test_requests_joining_mid_run_decode_as_if_alone(models, name):
         assert result.outputs[request.id] == alone(target, prompt, request.output_len), request
 
 
+@pytest.mark.parametrize("name", POLICIES)
+def test_requests_after_the_batch_drained_decode_as_if_alone(models, name):
+    # every row retires before the next arrivals: the caches go down to no rows and start again
+    target, draft = models
+    drafters, policy = POLICIES[name](draft)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]
+    requests = [Request(0, 0.0, 3, 5), Request(1, 0.0, 4, 6), Request(2, 50.0, 2, 7), Request(3, 50.0, 3, 4)]
+    result = Engine(target, drafters, policy, max_batch=3, max_prompt_len=8).run(requests, prompts)
+    assert min(r.first_token for r in result.requests if r.request.id >= 2) >= 50.0
+    for request, prompt in zip(requests, prompts):
+        assert result.outputs[request.id] == alone(target, prompt, request.output_len), request
+
+
 def test_a_request_finishing_early_frees_its_row(models):
     target, draft = models
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
