@@ -38,6 +38,7 @@ from humaneval_data import load_problems  # eval/ is on sys.path when run as a s
 logger = logging.getLogger("bench_lengths")
 FIXED = range(1, 7)
 LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar")   # policies whose state improves with use
+METHODS = ["plain", *(f"fixed:{k}" for k in FIXED), "hf-heuristic", "hf-confidence", *LEARNING[1:]]
 
 
 class RowBudget(StoppingCriteria):
@@ -115,15 +116,16 @@ def new_tokens(out, prompt_len, eos):
     return sum(int(e[0]) + 1 if len(e) else len(row) for e, row in zip(ends, new))
 
 
-def run_env(name, args) -> dict:
+def run_env(name, args, save=lambda results: None) -> dict:
+    """Every method on every batch size of one environment; `save(results)` after each batch size."""
     model, drafter, make_inputs = ENVS[name]()
     hf_specdec.enable(model)
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     prof = env_profile(model, drafter, args.batch_sizes, make_inputs(1)["input_ids"].shape[1])
-    methods = policies(prof, args.max_len)
+    methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
     results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}}
-    cases = [(b, None) for b in args.batch_sizes] + [("changing", 16)]
+    cases = [(b, None) for b in args.batch_sizes] + ([("changing", 16)] if args.changing else [])
     for batch, rows in cases:
         inputs = make_inputs(rows or batch)
         prompt_len = inputs["input_ids"].shape[1]
@@ -133,7 +135,7 @@ def run_env(name, args) -> dict:
             criteria = RowBudget(prompt_len, budget)
         run(model, drafter, None, inputs, argparse.Namespace(max_new_tokens=2), None)          # warm-up
         for _ in range(args.learn_runs):          # learning policies see this batch size first, untimed
-            for m in LEARNING:
+            for m in (m for m in LEARNING if m in methods):
                 run(model, drafter, methods[m], inputs, args, criteria)
         times = {m: [] for m in methods}
         outs = {}
@@ -164,6 +166,7 @@ def run_env(name, args) -> dict:
         results["batches"][key] = {"oracle": oracle, "methods": rows_out}
         logger.info("%s batch=%s oracle=%s %s", name, batch, oracle,
                     {m: r["tokens_per_s"] for m, r in rows_out.items()})
+        save(results)
     return results
 
 
@@ -191,7 +194,9 @@ def plot(all_results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    envs = list(all_results)
+    envs = [e for e in all_results if "changing" in all_results[e]["batches"]]
+    if not envs:
+        return
     fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3 * len(envs)), squeeze=False)
     for row, env in zip(axes, envs):
         changing = all_results[env]["batches"]["changing"]["methods"]
@@ -231,13 +236,25 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--learn-runs", type=int, default=2,
                         help="untimed runs of the learning policies per batch size before timing (0: none)")
+    parser.add_argument("--no-changing", dest="changing", action="store_false",
+                        help="skip the run whose batch shrinks as rows finish")
     parser.add_argument("--out", default="results/bench_lengths")
+    parser.add_argument("--methods", default=None, help="comma-separated subset (default: all; plain is always run)")
     args = parse_env_args(parser, argv, ENVS)
-    all_results = {env: run_env(env, args) for env in args.envs.split(",")}
+    args.methods = ["plain"] + [m for m in (args.methods or ",".join(METHODS)).split(",") if m != "plain"]
+    if any(m not in METHODS for m in args.methods):
+        parser.error(f"--methods: unknown {[m for m in args.methods if m not in METHODS]}; known: {METHODS}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": all_results}, indent=1))
-    out.with_suffix(".md").write_text(markdown(all_results, args))
+    all_results = {}
+
+    def save(env, results):      # after every batch size, so a stopped run keeps what it measured
+        all_results[env] = results
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": all_results}, indent=1))
+        out.with_suffix(".md").write_text(markdown(all_results, args))
+
+    for env in args.envs.split(","):
+        run_env(env, args, lambda results: save(env, results))
     plot(all_results, out.with_suffix(".png"))
     print(markdown(all_results, args))
     bad = [(e, b, m) for e, r in all_results.items() for b, x in r["batches"].items()
