@@ -240,9 +240,9 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     def drafting_steps(draft_ratio, batch):
         policy = hf_specdec.AdaSpec(toy_profile(draft_ratio), max_len=6, prior_confidence=0.02, probe_every=4)
         ctx = StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch)
-        return sum(policy.choose(ctx) > 0 for _ in range(40))
-    assert drafting_steps(0.05, 1) == 10     # cheap draft, unsure estimate: a probe every 4th step
-    assert drafting_steps(1.5, 16) == 0      # a draft dearer than the target: no acceptance would pay
+        return [step for step in range(70) if policy.choose(ctx) > 0]
+    assert drafting_steps(0.05, 1) == [3, 11, 27, 59]   # cheap draft, unsure estimate: probes, ever rarer
+    assert drafting_steps(1.5, 16) == []                # a draft dearer than the target: no acceptance would pay
 
 
 def test_goodput_policies_correct_the_latency_model_with_measured_steps():
@@ -262,7 +262,8 @@ def test_goodput_policies_correct_the_latency_model_with_measured_steps():
         assert policy.choose(ctx) == k
         for step in range(2, 12):
             policy.verify_lengths([[0.7] * k]) if isinstance(policy, hf_specdec.AdaSpec) else None
-            policy.observe(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 4 * modelled, step=step, lag=1))
+            # every draft accepted: the drafter lags 2 tokens (the last draft and the target's token)
+            policy.observe(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 4 * modelled, step=step, lag=2))
             k = policy.choose(ctx) or k
         assert policy.choose(ctx) == 0, policy
 

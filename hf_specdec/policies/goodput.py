@@ -55,7 +55,9 @@ class _GoodputModel:
     def learn(self, record: StepRecord, context: int) -> None:
         """Fold a measured step into the correction; a step that prefilled the prompt or caught up
         a lagging draft (costs the linear model does not describe) is left out."""
-        if record.step == 0 or (record.k and record.lag > 1) or not record.batch_size:
+        # steady-state lag is 1, or 2 after a step whose drafts were all accepted (the last draft is
+        # never fed); more is a catch-up after plain steps
+        if record.step == 0 or (record.k and record.lag > 2) or not record.batch_size:
             return
         drafted = max(record.proposed) if record.k else 0
         modelled = self._modelled(record.batch_size, context, drafted, record.proposed)
@@ -118,7 +120,8 @@ class AdaSpec(LengthPolicy):
     slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the guess for a
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
     a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
-    draft anyway after this many non-drafting steps, so estimates keep being measured."""
+    draft anyway after this many non-drafting steps, so estimates keep being measured (the gap
+    doubles after each probe that changed nothing, up to 32 x probe_every)."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
                  prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8):
@@ -132,6 +135,7 @@ class AdaSpec(LengthPolicy):
         self.mean_acceptance, self.seen = prior_confidence, 0   # of one more draft, for the prediction
         self.probe_every = non_negative_int(probe_every, "AdaSpec(probe_every)") or 1
         self.idle = 0                                            # steps since the last drafting step
+        self.probe_gap = self.probe_every                        # idle steps before the next probe
         self.ctx: StepContext | None = None
         self.verified: list[list[float]] | None = None          # this step's confidences, for observe
 
@@ -142,15 +146,16 @@ class AdaSpec(LengthPolicy):
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
         plain = goodput(0, 1.0)
         if goodput(1, self.mean_acceptance) > plain:
-            self.idle = 0
+            self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
         # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
         # acceptance estimate alive: no deadlock at 0. Only where acceptance could change the
         # answer: if even drafts that are always accepted cost more than they give, drafting
-        # never pays at this load and probing would only slow it down.
+        # never pays at this load and probing would only slow it down. Each probe costs a draft
+        # catch-up and a wider verification, so while probes keep confirming 0 they grow rarer.
         self.idle += 1
-        if self.idle >= self.probe_every and max(goodput(j, 1.0) for j in range(1, self.max_len + 1)) > plain:
-            self.idle = 0
+        if self.idle >= self.probe_gap and max(goodput(j, 1.0) for j in range(1, self.max_len + 1)) > plain:
+            self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
             return self.max_len
         return 0
 
