@@ -16,8 +16,8 @@ step, and its first drafting step for the draft): their time is the prompt's, no
 high confidence, lose to another arm (successive elimination): an arm k > 0 whose optimistic
 latency per token exceeds the least pessimistic one of any tried arm (mean step seconds per row
 over a lower confidence bound on its tokens per row-step; plain decoding's tokens are certain) is
-left out until the bounds move. Arm k's optimistic latency per token is its fastest step seconds
-per row divided by an upper confidence bound on its tokens per row-step: the least of k + 1, its
+left out until the bounds move. Arm k's optimistic latency per token is a lower confidence bound
+of its step seconds per row (no catch-up) divided by an upper confidence bound on its tokens per row-step: the least of k + 1, its
 own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding, delta = e^-4), and 1 + sum_{j<=k} u_j, u_j an
 upper bound of P(a row's first j drafts are accepted). Every arm k' >= j measures that
 probability (drafts do not depend on how many follow them), so the u_j pool all arms and batch
@@ -51,6 +51,7 @@ class _BatchState:
     tokens: list[int] = field(default_factory=list)     # by k: emitted tokens, summed
     row_steps: list[int] = field(default_factory=list)  # by k: rows x steps
     fastest: list[float] = field(default_factory=list)  # by k: least step seconds per row (no catch-up)
+    clean: list[list[float]] = field(default_factory=list)  # by k: [n, sum, sum of squares] of those
     draft_per_token: float = math.inf                    # least drafting seconds per row and draft
 
     def latency(self, k: int) -> float:
@@ -61,12 +62,23 @@ class _BatchState:
         accepted_ub[k] bounds the tokens per row-step of any arm k from above."""
         if self.fastest[k] < math.inf:
             n = self.row_steps[k]
-            return self.fastest[k] / min(accepted_ub[k], self.tokens[k] / n + k * _radius(n))
+            return self.fast_seconds(k) / min(accepted_ub[k], self.tokens[k] / n + k * _radius(n))
         tried = [j for j in range(1, k) if self.fastest[j] < math.inf]
         if not tried or self.draft_per_token == math.inf:
             return 0.0
         j = tried[-1]
-        return (self.fastest[j] + (k - j) * self.draft_per_token) / accepted_ub[k]
+        return (self.fast_seconds(j) + (k - j) * self.draft_per_token) / accepted_ub[k]
+
+    def fast_seconds(self, k: int) -> float:
+        """A lower confidence bound of arm k's step seconds per row without catch-up: the mean less
+        sqrt(2 ln(1/delta) var / n) (normal approximation), never below the fastest step. The
+        fastest step alone is far too optimistic where timings are noisy (a shared CPU)."""
+        n, total, squares = self.clean[k]
+        if n < 3:
+            return self.fastest[k]
+        mean = total / n
+        spread = math.sqrt(2 * _LOG_INV_DELTA * max(0.0, squares / n - mean * mean) / n)
+        return max(self.fastest[k], mean - spread)
 
     def worst_case(self, k: int) -> float:
         """Pessimistic latency per token of a tried arm k."""
@@ -116,7 +128,7 @@ class Nightjar(LengthPolicy):
         if state is None:
             arms = self.max_len + 1
             state = self.states[key] = _BatchState(seconds=[0.0] * arms, tokens=[0] * arms, row_steps=[0] * arms,
-                                                   fastest=[math.inf] * arms)
+                                                   fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)])
         if state.round == 1:                                      # a bin starts: lock its k
             arms = self._arms(state)
             if self.rng.random() < 1.0 / state.bin:
@@ -181,11 +193,18 @@ class Nightjar(LengthPolicy):
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
             return
         k, seconds, rows = record.k, record.draft_s + record.verify_s, record.batch_size
+        if not self.switched:
+            # a step over 3x the arm's fastest is a stall of the machine (another process, a page
+            # fault), not the arm's cost: counted at that cap, so one stall cannot bury an arm
+            seconds = min(seconds, 3 * rows * state.fastest[k])
         state.seconds[k] += seconds
         state.tokens[k] += tokens
         state.row_steps[k] += rows
         if k == 0 or (not self.switched and max(record.proposed) == k):   # full length, no catch-up
-            state.fastest[k] = min(state.fastest[k], seconds / rows)
+            per_row = seconds / rows
+            state.fastest[k] = min(state.fastest[k], per_row)
+            clean = state.clean[k]
+            clean[0], clean[1], clean[2] = clean[0] + 1, clean[1] + per_row, clean[2] + per_row * per_row
             if k:
                 state.draft_per_token = min(state.draft_per_token, record.draft_s / (rows * k))
 
