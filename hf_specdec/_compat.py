@@ -1,7 +1,8 @@
 """The only module that touches Transformers internals (cache layout, output classes).
 
 Checked against transformers 5.x: `DynamicCache(config=...)` builds one layer per decoder layer,
-`Cache.crop(-n)` drops the last n slots of every row, `Cache.batch_select_indices` keeps rows.
+`Cache.crop(-n)` drops the last n slots of every row, `Cache.batch_select_indices` keeps rows, and
+a layer's `keys` / `values` are [batch, heads, slots, head_dim] tensors.
 """
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def crop(cache: DynamicCache, num_slots: int) -> None:
     """Drop the last `num_slots` slots of every row."""
     if num_slots > 0:
         cache.crop(-num_slots)
+
+
+def drop_front(cache: DynamicCache, num_slots: int) -> None:
+    """Drop the first `num_slots` slots of every row."""
+    if num_slots > 0:
+        for layer in cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[..., num_slots:, :], layer.values[..., num_slots:, :]
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

@@ -137,3 +137,9 @@ class CachedModel:
         _compat.select_rows(self.cache, on_device)
         self.slot_mask, self.num_real = self.slot_mask[on_device], self.num_real[on_device]
         self.fed = self.fed[keep]
+        # Slots that are holes in every remaining row at the front (the left padding of a longer
+        # row that left) cost attention for nothing; in a serving loop they would pile up.
+        used = self.slot_mask.any(0).nonzero()
+        first_used = int(used[0]) if len(used) else self.num_slots
+        _compat.drop_front(self.cache, first_used)
+        self.slot_mask = self.slot_mask[:, first_used:]

@@ -97,3 +97,25 @@ def test_engine_refuses_bad_input_before_any_work(models):
     hierarchy = hf_specdec.HierarchicalDrafter(noisy_copy(target, 0.5), draft)
     with pytest.raises(ValueError, match="cannot take requests mid-run"):
         Engine(target, [hierarchy])
+
+
+def test_rows_leaving_free_their_cache_slots(models):
+    """A long row's left padding of the others is dropped when it leaves: under sustained load the
+    cache stays as wide as the rows still running need, and their logits stay the same."""
+    from hf_specdec.cached_model import CachedModel
+    from hf_specdec.sequences import SequenceBatch
+    target, _ = models
+    ids = torch.tensor([[7] * 12, [0] * 9 + [5, 6, 7]])
+    batch = SequenceBatch(ids, (ids != 0).long(), max_length=40, pad_token_id=0)
+    runner = CachedModel(target)
+    runner.reset(batch)
+    runner.forward(*runner.pending(batch), keep=1)
+    assert runner.num_slots == 12
+    batch.active = batch.active[1:]
+    runner.select_rows(torch.tensor([1]))
+    assert runner.num_slots == 3                                 # only the short row's own slots
+    batch.tokens[1, 12] = 8
+    batch.lengths[1] += 1
+    logits = runner.forward(*runner.pending(batch), keep=1)[0, -1]
+    alone = target(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
+    torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
