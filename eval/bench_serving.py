@@ -7,8 +7,9 @@ Continuous batching (`hf_specdec.serving.Engine`) of SmolLM2-135M-Instruct with 
 drafts, on a phased Poisson stream (low / high / low rate) of HumanEval prompts whose output
 lengths are drawn per request (EOS ignored, as in trace replays). Policies: plain (k = 0), fixed
 k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator replays the
-same requests with a latency profile measured here and, per policy, the draft acceptance rate
-the engine measured; simulated / measured throughput shows how far the simulator can be trusted.
+same requests with latency models measured here (decode steps; prompt prefills apart) and, per
+policy, the draft acceptance rate the engine measured; simulated / measured throughput shows how
+far the simulator can be trusted.
 Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hf_specdec
-from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+from hf_specdec.costmodel import CostProfile, LatencyModel, profile, profile_prefill
 from hf_specdec.serving import Engine, Request, Simulator, phased
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,6 +71,7 @@ def main(argv=None):
     logger.info("%d requests, prompts of %d..%d tokens", len(requests), min(map(len, prompts)), longest)
 
     prof = lookup_profile(model, [b for b in (1, 2, 4, 8, 16) if b <= args.max_batch], 128)
+    prefill = profile_prefill(model, lengths=sorted({16, longest // 4, longest // 2, longest}))
     methods = {"plain": lambda: hf_specdec.FixedLength(0)}
     methods.update({f"fixed:{k}": (lambda k=int(k): hf_specdec.FixedLength(k)) for k in args.fixed.split(",")})
     methods.update({"nightjar": lambda: hf_specdec.Nightjar(max_len=args.max_len, switch_cost=prof),
@@ -85,7 +87,8 @@ def main(argv=None):
         with torch.inference_mode():
             run = engine.run(requests, prompts)
         alpha = measured_acceptance(engine.stats)
-        sim = Simulator(prof, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed).run(requests)
+        sim = Simulator(prof, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
+                        prefill=prefill).run(requests)
         real, simulated = run.summary(args.slo_tpot), sim.summary(args.slo_tpot)
         results[name] = {"engine": real, "simulator": simulated, "acceptance": round(alpha, 3),
                          "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
@@ -95,7 +98,8 @@ def main(argv=None):
     by_batch = {name: k_by_batch(r["steps"]) for name, r in results.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"args": vars(args), "requests": len(requests), "profile": {"target": vars(prof.target)},
+    payload = {"args": vars(args), "requests": len(requests), "profile": {"target": vars(prof.target),
+                                                                          "prefill": vars(prefill)},
                "results": results, "mean_k_by_batch": by_batch}
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     table = markdown(results, by_batch, args, len(requests))

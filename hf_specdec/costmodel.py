@@ -165,3 +165,30 @@ def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths
     meta = {"batch_sizes": list(batch_sizes), "widths": list(widths), "contexts": list(contexts),
             "repeats": repeats, "device": str(device), "samples": samples}
     return CostProfile(LatencyModel.fit(samples["target"]), LatencyModel.fit(samples["draft"]), table, meta)
+
+
+def profile_prefill(model, lengths: Sequence[int] = (16, 64, 128, 256), repeats: int = 3) -> LatencyModel:
+    """A LatencyModel of prompt prefills: one row of L tokens into an empty cache, for L in
+    `lengths`, fitted on samples (L, L, seconds). Decode-step profiles (a few tokens per row)
+    extrapolate badly to hundreds: on a CPU a token costs less in a wide matrix-matrix product."""
+    import statistics
+    import time
+
+    import torch
+
+    from . import _compat
+    vocab = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    samples = []
+    with torch.no_grad():
+        for length in lengths:
+            ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                model(input_ids=ids, past_key_values=_compat.new_cache(model), use_cache=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            samples.append((length, length, statistics.median(times)))
+    return LatencyModel.fit(samples)

@@ -14,7 +14,7 @@ import torch
 
 import hf_specdec
 from helpers import assert_same, spec
-from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile
+from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
 from hf_specdec.stats import StepRecord
 from hf_specdec.testing import build, noisy_copy, prompts
@@ -339,6 +339,8 @@ def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeyp
     prof = profile(target, draft, batch_sizes=(1, 2), widths=(1, 2), contexts=(4, 8), lags=(1, 3), repeats=1,
                    progress=False)
     assert prof.target.forward_time(8, 2) > 0 and prof.switch(3, 2) > 0
+    prefill = profile_prefill(build("llama", 2, seed=0, hidden=256), lengths=(8, 64, 256), repeats=2)
+    assert prefill.forward_time(256, 256) > prefill.forward_time(8, 8) > 0
     main = __import__("hf_specdec.__main__", fromlist=["main"])
     monkeypatch.setattr(main, "_load", lambda args: (target, draft))
     out = tmp_path / "p.json"

@@ -40,6 +40,10 @@ def test_simulator_costs_catch_up_and_batches_arrivals():
     # step 2 drafts: catch-up of each row's prompt + 3 tokens (13 + 9 tokens: 0.22 s), then 2 tokens
     assert steps[2].time - steps[1].time == pytest.approx(1.0 + 0.22 + 0.02)
     assert steps[3].time - steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)       # lag 1 from then on
+    # with a prefill model of its own: 0.1 s per prompt token (16 of them), decode steps unchanged
+    result = Simulator(prof, policy, acceptance=0.0, prefill=LatencyModel(0.0, 0.1, 0.0)).run(requests)
+    assert result.steps[0].time == pytest.approx(1.6 + 1.0)
+    assert result.steps[3].time - result.steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)
 
 
 def test_simulator_rejects_bad_arguments():
@@ -49,6 +53,8 @@ def test_simulator_rejects_bad_arguments():
         Simulator(profile(), "fixed:2", acceptance=0.5, max_batch=0)
     with pytest.raises(TypeError, match="profile"):
         Simulator({}, "fixed:2", acceptance=0.5)
+    with pytest.raises(TypeError, match="prefill"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, prefill=(0.0, 0.1, 0.0))
 
 
 def test_poisson_and_phased_streams():

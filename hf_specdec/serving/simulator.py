@@ -22,7 +22,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from ..costmodel import CostProfile
+from ..costmodel import CostProfile, LatencyModel
 from ..policies import StepContext, resolve_policy
 from ..stats import StepRecord
 from .workload import Request
@@ -88,15 +88,21 @@ class _Row:
 
 class Simulator:
     """profile: a CostProfile (target and draft latency models); policy: anything `spec_policy`
-    accepts; acceptance: probability that a draft token is accepted; max_batch: most running rows."""
+    accepts; acceptance: probability that a draft token is accepted; max_batch: most running rows;
+    prefill: the LatencyModel of prompt prefills (default: the profile's target model, fitted on
+    decode steps; `costmodel.profile_prefill` measures one)."""
 
-    def __init__(self, profile: CostProfile, policy, acceptance: float, max_batch: int = 256, seed: int = 0):
+    def __init__(self, profile: CostProfile, policy, acceptance: float, max_batch: int = 256, seed: int = 0,
+                 prefill: LatencyModel | None = None):
         if not isinstance(profile, CostProfile):
             raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
         if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
             raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if prefill is not None and not isinstance(prefill, LatencyModel):
+            raise TypeError(f"prefill must be a LatencyModel or None, got {type(prefill).__name__}")
+        self.prefill = prefill or profile.target
         self.profile, self.policy = profile, resolve_policy(policy)
         self.acceptance, self.max_batch, self.rng = acceptance, max_batch, random.Random(seed)
 
@@ -120,7 +126,7 @@ class Simulator:
                 joining.append(waiting.pop(0))
             if joining:                                     # prefill: one target forward, first tokens
                 prompts = sum(r.prompt_len for r in joining)
-                t += target.forward_time(prompts, prompts)
+                t += self.prefill.forward_time(prompts, prompts)
                 running += [_Row(r, 1, t, r.prompt_len + 1) for r in joining]
                 running = self._retire(running, t, result)
                 if not running:
