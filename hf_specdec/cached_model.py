@@ -37,6 +37,11 @@ class CachedModel:
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=buffer_device)         # [n]
 
+    def skip_left_padding(self, batch: SequenceBatch) -> None:
+        """After `reset`: start each row at its first real token, so a prefill does not compute
+        the holes of a left-padded prompt (which a row on its own, as a joiner is, need not have)."""
+        self.fed = batch.real_start(batch.active).to(self.fed.device)
+
     def release(self, batch: SequenceBatch) -> None:
         """Drop the cache and its memory; every row catches up from its first token next time."""
         forwards = self.forwards

@@ -127,6 +127,7 @@ class ModelDrafter(Drafter):
         caught_up = self._head is not None and prefill
         joining = CachedModel(self.model)
         joining.reset(batch)
+        joining.skip_left_padding(batch)
         if prefill:
             end = batch.lengths[batch.active] - (0 if caught_up else 1)
             logits = joining.forward(*joining.pending(batch, end), keep=1)        # [m, 1, vocab]
