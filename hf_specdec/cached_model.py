@@ -28,14 +28,12 @@ class CachedModel:
         self.forwards = 0   # in this generate() call
 
     def reset(self, batch: SequenceBatch) -> None:
-        self.forwards = 0
-        self._empty(len(batch.active), batch.tokens.device)
-
-    def _empty(self, n: int, buffer_device: torch.device) -> None:
+        n = len(batch.active)
         self.cache = _compat.new_cache(self.model)
+        self.forwards = 0
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
-        self.fed = torch.zeros(n, dtype=torch.long, device=buffer_device)         # [n]
+        self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
 
     def skip_left_padding(self, batch: SequenceBatch) -> None:
         """After `reset`: start each row at its first real token, so a prefill does not compute
@@ -115,11 +113,14 @@ class CachedModel:
         self._crop_holes()
 
     def _crop_holes(self) -> None:
-        """Slots that are holes in every row at the end cost attention for nothing: crop them."""
+        """Slots that are holes in every row cost attention for nothing: crop them at the end
+        (rolled-back drafts) and at the front (the left padding of a longer row that left; in a
+        serving loop it would pile up). Positions count real slots, so nothing else moves."""
         used = self.slot_mask.any(0).nonzero()
-        last_used = int(used[-1]) + 1 if len(used) else 0
+        first_used, last_used = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
         _compat.crop(self.cache, self.num_slots - last_used)
-        self.slot_mask = self.slot_mask[:, :last_used]
+        _compat.drop_front(self.cache, first_used)
+        self.slot_mask = self.slot_mask[:, first_used:last_used]
 
     def append(self, other: "CachedModel") -> None:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
@@ -135,16 +136,8 @@ class CachedModel:
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
-        if not len(keep):        # no rows left: an empty cache, which rows may `append` to later
-            self._empty(0, self.fed.device)
-            return
         on_device = keep.to(self.device)
         _compat.select_rows(self.cache, on_device)
         self.slot_mask, self.num_real = self.slot_mask[on_device], self.num_real[on_device]
         self.fed = self.fed[keep]
-        # Slots that are holes in every remaining row at the front (the left padding of a longer
-        # row that left) cost attention for nothing; in a serving loop they would pile up.
-        used = self.slot_mask.any(0).nonzero()
-        first_used = int(used[0]) if len(used) else self.num_slots
-        _compat.drop_front(self.cache, first_used)
-        self.slot_mask = self.slot_mask[:, first_used:]
+        self._crop_holes()       # to no slots at all when no rows are left: joiners may `append`
