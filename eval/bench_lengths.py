@@ -81,11 +81,13 @@ ENVS = {"tiny-exact": lambda: tiny_env(False), "tiny-useless": lambda: tiny_env(
 
 
 def env_profile(target, drafter, batch_sizes, context) -> CostProfile:
+    # switching lags up to a whole prompt: a call's first drafts catch up its prompt
+    grid = dict(widths=(1, 3, 5, 8), contexts=(context, 2 * context), lags=sorted({1, 4, 16, context}), repeats=2)
     draft_model = getattr(drafter, "model", None)
     if draft_model is None:   # a lookup drafter costs (almost) nothing: profile the target twice, zero draft
-        prof = profile(target, target, batch_sizes, (1, 3, 5, 8), (context, 2 * context), (1, 4, 16), repeats=2)
+        prof = profile(target, target, batch_sizes, **grid)
         return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
-    return profile(target, draft_model, batch_sizes, (1, 3, 5, 8), (context, 2 * context), (1, 4, 16), repeats=2)
+    return profile(target, draft_model, batch_sizes, **grid)
 
 
 def policies(prof: CostProfile, max_len: int) -> dict:

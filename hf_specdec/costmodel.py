@@ -48,7 +48,9 @@ class LatencyModel:
 
 @dataclass
 class SwitchCostTable:
-    """C(L_max, B) in seconds on a grid, bilinear in between, clamped at the edges."""
+    """C(L_max, B) in seconds on a grid, bilinear in between, clamped at the edges except beyond
+    the longest lag, where the last segment's slope goes on (a catch-up of a whole prompt costs
+    per token what the longest profiled one did, not nothing)."""
 
     lags: list[int]
     batch_sizes: list[int]
@@ -68,8 +70,12 @@ class SwitchCostTable:
         if lag <= 0:
             return 0.0
         (i0, i1, u), (j0, j1, v) = _bracket(self.lags, lag), _bracket(self.batch_sizes, batch_size)
-        s = self.seconds
-        return ((1 - u) * ((1 - v) * s[i0][j0] + v * s[i0][j1]) + u * ((1 - v) * s[i1][j0] + v * s[i1][j1]))
+        at = [(1 - v) * row[j0] + v * row[j1] for row in self.seconds]     # by lag, at this batch size
+        value = (1 - u) * at[i0] + u * at[i1]
+        if lag > self.lags[-1] and len(self.lags) > 1:
+            slope = (at[-1] - at[-2]) / (self.lags[-1] - self.lags[-2])
+            value += max(0.0, slope) * (lag - self.lags[-1])
+        return value
 
 
 def _bracket(axis: list[int], x: float) -> tuple[int, int, float]:

@@ -128,7 +128,7 @@ class _Loop:
         lags = [int(d.runner.lag(batch).max()) for d in self.drafters if isinstance(d, ModelDrafter)]
         return StepContext(step, len(rows), len(self.drafters), rows.tolist(),
                            context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()),
-                           max_lag=max(lags, default=0))
+                           max_lag=max(lags, default=0), remaining=int((self.limit[rows] - batch.lengths[rows]).max()))
 
     def step(self, index: int) -> StepRecord:
         batch, rows = self.batch, self.batch.active

@@ -45,6 +45,11 @@ class Sim:
         self.previous_k, self.lag, self.step = None, 0, 0
         self.choices = []
 
+    def new_call(self, batch, prompt_len=100):
+        """A generate() call starts: the drafter has not seen its prompt (it lags by all of it)."""
+        self.step, self.lag, self.previous_k = 0, prompt_len, 0
+        self.policy.begin(StepContext(0, batch, 1, list(range(batch))))
+
     def run(self, batch, steps):
         for _ in range(steps):
             ctx = StepContext(self.step, batch, 1, list(range(batch)), context_tokens=100 * batch, max_lag=self.lag)
@@ -104,6 +109,23 @@ def test_nightjar_switches_less_when_switching_is_expensive():
     assert dear < cheap < free and dear < 0.6 * free      # (exploration bins still switch sometimes)
 
 
+def test_nightjar_weighs_the_prompt_catch_up_of_each_call():
+    # short calls at B=1: k=2 saves ~0.03 s per 10-step call, but a call's first drafts must
+    # prefill its prompt (0.2 s). Learned across calls, that makes plain decoding the better choice.
+    policy = hf_specdec.Nightjar(max_len=6, switch_cost=0.2, seed=2)
+    sim = Sim(policy, switch_seconds=0.2)
+    calls = []
+    for _ in range(300):
+        sim.new_call(1)
+        calls.append(any(sim.run(1, 10)))
+    assert sum(calls[-100:]) <= 20, sum(calls[-100:])
+    sim = Sim(hf_specdec.Nightjar(max_len=6, switch_cost=0.2, seed=1), switch_seconds=0.2)
+    sim.new_call(1)                                        # one long call: paying once pays off
+    mode = Counter(sim.run(1, 1500)[-300:]).most_common(1)[0][0]
+    latency = lambda k: step_time(1, k) / expected_tokens(k)
+    assert latency(mode) < 0.8 * latency(0) and latency(mode) <= 1.05 * latency(optimum(1)), mode
+
+
 def test_nightjar_pow2_buckets_reuse_learning_as_the_batch_shrinks():
     def zeros_while_shrinking(buckets):
         sim = Sim(hf_specdec.Nightjar(max_len=6, buckets=buckets, seed=2))
@@ -156,11 +178,13 @@ def test_latency_model_fit_recovers_coefficients():
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
 
 
-def test_switch_cost_table_interpolates_and_clamps():
+def test_switch_cost_table_interpolates_clamps_and_extends_past_the_longest_lag():
     table = SwitchCostTable([1, 5], [1, 3], [[1.0, 2.0], [5.0, 10.0]])
     assert table(1, 1) == 1.0 and table(5, 3) == 10.0
     assert table(3, 2) == pytest.approx(0.25 * (1 + 2 + 5 + 10))
-    assert table(100, 100) == 10.0 and table(0, 2) == 0.0
+    assert table(0, 2) == 0.0 and table(1, 100) == 2.0
+    # a prompt-long catch-up past the grid: the last segment's slope per token goes on
+    assert table(9, 1) == pytest.approx(9.0) and table(9, 100) == pytest.approx(10.0 + 4 * 2.0)
 
 
 def toy_profile(draft_ratio=0.2):

@@ -28,6 +28,7 @@ class StepContext:
     rows: list[int] = field(default_factory=list)  # original batch index of each active row
     context_tokens: int = 0   # real tokens held by the active rows (prompt + output so far)
     max_lag: int = 0          # largest per-row lag of any model drafter (tokens it must catch up)
+    remaining: int = 0        # most new tokens any active row may still emit (0: unknown)
 
 
 @dataclass

@@ -14,7 +14,7 @@ Ours, beyond the paper. Statistics leave out the steps that prefill a call's pro
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
 `prune=True`: exploration and exploitation skip arms that, with high confidence, lose to another
-arm (successive elimination): an arm k > 0 whose optimistic latency per token exceeds the least
+arm (successive elimination), and a bin whose k becomes such an arm ends early: an arm k > 0 whose optimistic latency per token exceeds the least
 pessimistic one of any tried arm (mean step seconds per row over a lower confidence bound on its
 tokens per row-step; plain decoding's tokens are certain) is left out until the bounds move. Arm
 k's optimistic latency per token is a lower confidence bound of its step seconds per row (no
@@ -87,6 +87,13 @@ class _BatchState:
         return self.seconds[k] / n / max(1.0, self.tokens[k] / n - k * _radius(n))
 
 
+def _next_bin(state: _BatchState) -> None:
+    state.bin, state.round = state.bin + 1, 1
+    if state.bin > math.sqrt(state.horizon):             # block completed
+        state.block += 1
+        state.horizon, state.bin = 2 ** (state.block - 1), 1
+
+
 def _radius(n: int) -> float:
     """Hoeffding radius of a mean of n samples in [0, 1] at confidence 1 - e^-4."""
     return math.sqrt(_LOG_INV_DELTA / (2 * n))
@@ -116,7 +123,13 @@ class Nightjar(LengthPolicy):
         self.measured = False       # does this step's time belong to its arm (not a prompt prefill)?
 
     def begin(self, ctx: StepContext) -> None:
-        self.drafted = False        # a new call: its first step and first drafts prefill the prompt
+        # A new call: its drafter starts cold, so its first drafts prefill the prompt (lag = the
+        # prompt's length). That is a switch from k = 0, and the call's first decision is a fresh
+        # bin that weighs it, not the leftover of the previous call's bin.
+        self.drafted, self.previous_k = False, 0
+        for state in self.states.values():
+            if state.round > 1:
+                _next_bin(state)
 
     def _key(self, batch_size: int) -> int:
         """The bandit a batch size uses: its own, or (pow2) that of the next power of two, so a
@@ -130,35 +143,42 @@ class Nightjar(LengthPolicy):
             arms = self.max_len + 1
             state = self.states[key] = _BatchState(seconds=[0.0] * arms, tokens=[0] * arms, row_steps=[0] * arms,
                                                    fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)])
+        if state.round > 1 and state.locked and state.locked not in self._arms(state, ctx):
+            _next_bin(state)              # the bin's k is now known to lose: the bin ends early
         if state.round == 1:                                      # a bin starts: lock its k
-            arms = self._arms(state)
+            arms = self._arms(state, ctx)
             if self.rng.random() < 1.0 / state.bin:
                 state.locked = self.rng.choice(arms)
             else:
                 state.locked = self._exploit(state, ctx, arms)
         k = state.locked
         state.round += 1
-        if state.round > math.sqrt(state.horizon):               # bin completed
-            state.bin, state.round = state.bin + 1, 1
-            if state.bin > math.sqrt(state.horizon):             # block completed
-                state.block += 1
-                state.horizon, state.bin = 2 ** (state.block - 1), 1
+        if state.round > math.sqrt(state.horizon):
+            _next_bin(state)
         self.measured = ctx.step > 0 and (k == 0 or self.drafted)
         self.drafted |= k > 0
         self.switched = self.previous_k == 0 and k > 0   # its draft time holds a catch-up
         self.previous_k = k
         return k
 
-    def _arms(self, state: _BatchState) -> list[int]:
+    def _arms(self, state: _BatchState, ctx: StepContext) -> list[int]:
         """The k worth trying: all, or (prune) those whose best case beats every tried arm's worst.
-        0 always stays: staying at 0 is how a switching cost is avoided."""
+        0 always stays: staying at 0 is how a switching cost is avoided. Switching on from 0 costs
+        C_switch once, spread at best over a bin of sqrt(H) steps emitting ub[k] tokens per row, or
+        over the tokens the rows may still emit if fewer (a call's first drafts prefill its prompt:
+        in a short call that alone can cost more than speculation saves)."""
         arms = list(range(self.max_len + 1))
         tried = [k for k in arms if state.tokens[k]]
         if not self.prune or not tried:
             return arms
         bar = min(state.worst_case(k) for k in tried)
         ub = self._accepted_ub()
-        return [0] + [k for k in arms[1:] if state.best_case(k, ub) <= bar]
+        cost = self.switch_cost(ctx.max_lag, ctx.batch_size) / ctx.batch_size if self.previous_k == 0 else 0.0
+
+        def spread(k):     # tokens per row the switching cost is shared by, at best
+            bin_tokens = math.sqrt(state.horizon) * ub[k]
+            return min(bin_tokens, ctx.remaining) if ctx.remaining > 0 else bin_tokens
+        return [0] + [k for k in arms[1:] if state.best_case(k, ub) + cost / spread(k) <= bar]
 
     def _accepted_ub(self) -> list[float]:
         """By k: an upper confidence bound of the tokens a row emits per step with k drafts,

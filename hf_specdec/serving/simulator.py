@@ -135,7 +135,7 @@ class Simulator:
             context = sum(r.request.prompt_len + r.produced for r in running)
             room = max(r.request.output_len - r.produced - 1 for r in running)
             lag = max(r.lag for r in running)
-            ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag)
+            ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag, room + 1)
             k = max(0, min(self.policy.choose(ctx).length, room))
             if k:
                 draft_s = draft.forward_time(context, sum(r.lag for r in running)) + sum(
