@@ -8,8 +8,9 @@ drafts, on a phased Poisson stream (low / high / low rate) of HumanEval prompts 
 lengths are drawn per request (EOS ignored, as in trace replays). Policies: plain (k = 0), fixed
 k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator replays the
 same requests with latency models measured here (decode steps; prompt prefills apart) and, per
-policy, the draft acceptance rate the engine measured; simulated / measured throughput shows how
-far the simulator can be trusted.
+policy, what the engine measured of its drafts: acceptance rate, how often a row found any
+(lookup matches), and seconds per draft token; simulated / measured throughput shows how far
+the simulator can be trusted.
 Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy).
 """
 from __future__ import annotations
@@ -38,6 +39,17 @@ def measured_acceptance(stats) -> float:
     judged = sum(min(p, a + 1) for s in stats.steps if s.k for p, a in zip(s.proposed, s.accepted))
     accepted = sum(sum(s.accepted) for s in stats.steps if s.k)
     return accepted / judged if judged else 0.0
+
+
+def measured_lookup(stats) -> tuple[float, float]:
+    """Of the engine's speculative steps: the fraction of row-steps with any draft (a lookup finds
+    no match in the others), and the drafting seconds per row and draft token."""
+    spec = [s for s in stats.steps if s.k]
+    row_steps = sum(s.batch_size for s in spec)
+    if not row_steps:
+        return 1.0, 0.0
+    return (sum(p > 0 for s in spec for p in s.proposed) / row_steps,
+            sum(s.draft_s for s in spec) / sum(s.batch_size * s.k for s in spec))
 
 
 def lookup_profile(model, batch_sizes, context) -> CostProfile:
@@ -87,10 +99,13 @@ def main(argv=None):
         with torch.inference_mode():
             run = engine.run(requests, prompts)
         alpha = measured_acceptance(engine.stats)
-        sim = Simulator(prof, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
-                        prefill=prefill).run(requests)
+        proposal_rate, draft_per_token = measured_lookup(engine.stats)
+        calibrated = CostProfile(prof.target, LatencyModel(0.0, draft_per_token, 0.0), prof.switch, prof.meta)
+        sim = Simulator(calibrated, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
+                        prefill=prefill, proposal_rate=proposal_rate).run(requests)
         real, simulated = run.summary(args.slo_tpot), sim.summary(args.slo_tpot)
         results[name] = {"engine": real, "simulator": simulated, "acceptance": round(alpha, 3),
+                         "proposal_rate": round(proposal_rate, 3), "draft_s_per_token": draft_per_token,
                          "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
                          "steps": [(round(s.time, 3), s.batch_size, s.k) for s in run.steps]}
         logger.info("%s: engine %.1f tok/s, simulator %.1f tok/s (acceptance %.2f), mean k %.2f", name,
@@ -119,12 +134,14 @@ def markdown(results, by_batch, args, n) -> str:
     lines = [f"# Serving on the embedded model: phased stream {args.phases} ({n} requests), max batch "
              f"{args.max_batch}, prompt lookup drafts\n",
              f"| policy | tokens/s | mean / p90 latency s | mean TPOT ms | SLO {args.slo_tpot * 1000:.0f} ms | "
-             "mean k | acceptance | simulated tokens/s | sim / real |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "mean k | acceptance | rows drafting | simulated tokens/s | sim / real |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         e = r["engine"]
         lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['mean_latency_s']:.1f} / {e['p90_latency_s']:.1f} | "
                      f"{e['mean_tpot_s'] * 1000:.0f} | {e['slo_attainment']:.2f} | {e['mean_k']:.2f} | "
-                     f"{r['acceptance']:.2f} | {r['simulator']['tokens_per_s']:.1f} | {r['sim_over_real']:.2f} |")
+                     f"{r['acceptance']:.2f} | {r['proposal_rate']:.2f} | {r['simulator']['tokens_per_s']:.1f} | "
+                     f"{r['sim_over_real']:.2f} |")
     lines += ["", "Mean k by running batch size:", ""]
     sizes = sorted({b for d in by_batch.values() for b in d})
     lines += ["| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]

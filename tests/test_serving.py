@@ -46,7 +46,23 @@ def test_simulator_costs_catch_up_and_batches_arrivals():
     assert result.steps[3].time - result.steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)
 
 
+def test_simulator_rows_without_drafts_verify_only_their_next_token():
+    # the target costs 1 s per token it is fed; a lookup drafter that never finds a match
+    prof = profile(target=(0.0, 1.0, 0.0), draft=(0.0, 0.0, 0.0))
+    never = Simulator(prof, hf_specdec.FixedLength(2), acceptance=1.0, proposal_rate=0.0).run([Request(0, 0.0, 4, 5)])
+    assert [(s.k, s.emitted) for s in never.steps] == [(2, 1), (2, 1), (1, 1), (0, 1)]   # k capped by room
+    assert [s.time for s in never.steps] == pytest.approx([5.0, 6.0, 7.0, 8.0])    # prefill 4 s, then 1 s
+    always = Simulator(prof, hf_specdec.FixedLength(2), acceptance=1.0).run([Request(0, 0.0, 4, 5)])
+    assert [(s.k, s.emitted, s.time) for s in always.steps] == [(2, 3, pytest.approx(7.0)), (0, 1, pytest.approx(8.0))]
+    half = Simulator(prof, hf_specdec.FixedLength(2), acceptance=0.0, proposal_rate=0.5, seed=1)
+    steps = half.run([Request(i, 0.0, 4, 200) for i in range(4)]).steps
+    widths = [round(s2.time - s1.time) // 4 - 1 for s1, s2 in zip(steps, steps[1:])]   # verified drafts
+    assert set(widths[:-2]) == {0, 2} and 0.02 < widths.count(0) / len(widths) < 0.15   # no row: 1/16
+
+
 def test_simulator_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="proposal_rate"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, proposal_rate=2)
     with pytest.raises(ValueError, match="acceptance"):
         Simulator(profile(), "fixed:2", acceptance=1.5)
     with pytest.raises(ValueError, match="max_batch"):

@@ -12,7 +12,9 @@ policies can be compared at request rates and model sizes this machine cannot ru
     switching cost after k = 0 steps, a new request's whole prompt) and T(N_context, N_tokens)
     the `LatencyModel`s of a `CostProfile` (fitted by the profiler, or given for a GPU and model
     size); StepContext.max_lag = max_b L_b, as from `generate()`;
-  - each row accepts each draft with probability `acceptance` until the first rejection and
+  - each row proposes drafts with probability `proposal_rate` (a lookup drafter often finds no
+    match; a step where no row proposes verifies one token per row, as the engine does), accepts
+    each with probability `acceptance` until the first rejection, and
     emits accepted + 1 tokens (capped at what it still needs); the policy observes a
     `StepRecord` with the simulated times, as it would from `generate()`.
 """
@@ -88,23 +90,27 @@ class _Row:
 
 class Simulator:
     """profile: a CostProfile (target and draft latency models); policy: anything `spec_policy`
-    accepts; acceptance: probability that a draft token is accepted; max_batch: most running rows;
+    accepts; acceptance: probability that a draft token is accepted; proposal_rate: probability that
+    a row has drafts at a step; max_batch: most running rows;
     prefill: the LatencyModel of prompt prefills (default: the profile's target model, fitted on
     decode steps; `costmodel.profile_prefill` measures one)."""
 
     def __init__(self, profile: CostProfile, policy, acceptance: float, max_batch: int = 256, seed: int = 0,
-                 prefill: LatencyModel | None = None):
+                 prefill: LatencyModel | None = None, proposal_rate: float = 1.0):
         if not isinstance(profile, CostProfile):
             raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
         if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
             raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance!r}")
+        if isinstance(proposal_rate, bool) or not isinstance(proposal_rate, (int, float)) or not 0 <= proposal_rate <= 1:
+            raise ValueError(f"proposal_rate must be a probability in [0, 1], got {proposal_rate!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefill is not None and not isinstance(prefill, LatencyModel):
             raise TypeError(f"prefill must be a LatencyModel or None, got {type(prefill).__name__}")
         self.prefill = prefill or profile.target
         self.profile, self.policy = profile, resolve_policy(policy)
-        self.acceptance, self.max_batch, self.rng = acceptance, max_batch, random.Random(seed)
+        self.acceptance, self.proposal_rate = acceptance, proposal_rate
+        self.max_batch, self.rng = max_batch, random.Random(seed)
 
     def _accepted(self, k: int) -> int:
         n = 0
@@ -140,16 +146,19 @@ class Simulator:
             if k:
                 draft_s = draft.forward_time(context, sum(r.lag for r in running)) + sum(
                     draft.forward_time(context + i * rows, rows) for i in range(1, k))
-                accepted = [min(self._accepted(k), r.request.output_len - r.produced - 1) for r in running]
+                proposed = [k if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
+                            for _ in running]
+                accepted = [min(self._accepted(p), r.request.output_len - r.produced - 1)
+                            for p, r in zip(proposed, running)]
             else:
-                draft_s, accepted = 0.0, [0] * rows
-            verify_s = target.forward_time(context, rows * (k + 1))
+                draft_s, proposed, accepted = 0.0, [0] * rows, [0] * rows
+            verify_s = target.forward_time(context, rows * (max(proposed) + 1))   # as wide as the longest proposal
             t += draft_s + verify_s
             emitted = [a + 1 for a in accepted]
             for r, a, e in zip(running, accepted, emitted):
                 r.produced += e
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
-            self.policy.observe(StepRecord(rows, [0 if k else -1] * rows, k, [k] * rows, accepted, emitted,
+            self.policy.observe(StepRecord(rows, [0 if k else -1] * rows, k, proposed, accepted, emitted,
                                            draft_s, verify_s, ctx.rows))
             result.steps.append(RunStep(t, rows, k, sum(emitted)))
             running = self._retire(running, t, result)
