@@ -140,11 +140,16 @@ def run_env(name, args, save=lambda results: None) -> dict:
             for m in (m for m in LEARNING if m in methods):
                 run(model, drafter, methods[m], inputs, args, criteria)
         times = {m: [] for m in methods}
+        drafting = {m: [] for m in methods}     # per timed run: steps with k > 0 (noise or policy?)
         outs = {}
-        for _ in tqdm(range(args.repeats), desc=f"{name} batch={batch}", leave=False):
-            for m, policy in methods.items():
-                outs[m], seconds = run(model, drafter, policy, inputs, args, criteria)
+        order = list(methods)
+        for repeat in tqdm(range(args.repeats), desc=f"{name} batch={batch}", leave=False):
+            # each repeat starts one method later: a slow spell of the machine hits all methods alike
+            for m in order[repeat % len(order):] + order[:repeat % len(order)]:
+                outs[m], seconds = run(model, drafter, methods[m], inputs, args, criteria)
                 times[m].append(seconds)
+                stats = getattr(outs[m], "spec_stats", None)
+                drafting[m].append(sum(s.k > 0 for s in stats.steps) if stats else 0)
         plain = outs["plain"].sequences
         tokens = new_tokens(outs["plain"], prompt_len, eos)
         rows_out = {}
@@ -153,6 +158,7 @@ def run_env(name, args, save=lambda results: None) -> dict:
             rows_out[m] = {
                 "tokens_per_s": round(tokens / statistics.median(times[m]), 2),
                 "seconds": [round(t, 4) for t in times[m]],
+                "drafting_steps": drafting[m],
                 "identical_to_plain": bool(out.sequences.shape == plain.shape and torch.equal(out.sequences, plain)),
                 "mean_accepted_tokens": round(stats.mean_accepted_tokens, 3) if stats else 1.0,
                 "k_over_time": [(s.batch_size, s.k, max(s.proposed, default=0)) for s in stats.steps] if stats else [],
