@@ -15,16 +15,16 @@ def test_simulator_reproduces_a_hand_computed_case():
     # target forwards take 1 s, draft forwards 0.1 s, every draft is accepted, k = 2
     requests = [Request(0, 0.0, 4, 7), Request(1, 2.5, 4, 3)]
     result = Simulator(profile(), hf_specdec.FixedLength(2), acceptance=1.0).run(requests)
-    # A: prefill ends at 1 (1 token); a step of 2 drafts + verify ends at 2.2 (4 tokens), the next
-    # at 3.4 (7: done). B arrived at 2.5, waits for that step; prefill ends at 4.4 (1 token); it
-    # needs 2 more, so k is capped at 1: 0.1 + 1 -> done at 5.5.
+    # A: prefill (target + draft) ends at 1.1 (1 token); a step of 2 drafts + verify ends at 2.3
+    # (4 tokens), the next at 3.5 (7: done). B arrived at 2.5, waits for that step; prefill ends at
+    # 4.6 (1 token); it needs 2 more, so k is capped at 1: 0.1 + 1 -> done at 5.7.
     a, b = sorted(result.requests, key=lambda r: r.request.id)
-    assert (a.first_token, a.finish) == pytest.approx((1.0, 3.4))
-    assert (b.first_token, b.finish) == pytest.approx((4.4, 5.5))
+    assert (a.first_token, a.finish) == pytest.approx((1.1, 3.5))
+    assert (b.first_token, b.finish) == pytest.approx((4.6, 5.7))
     assert [(s.batch_size, s.k, s.emitted) for s in result.steps] == [(1, 2, 3), (1, 2, 3), (1, 1, 2)]
     summary = result.summary(slo_tpot=0.5)
-    assert summary["tokens_per_s"] == pytest.approx(10 / 5.5)
-    assert summary["mean_latency_s"] == pytest.approx((3.4 + 3.0) / 2)
+    assert summary["tokens_per_s"] == pytest.approx(10 / 5.7)
+    assert summary["mean_latency_s"] == pytest.approx((3.5 + 3.2) / 2)
     assert a.tpot == pytest.approx(2.4 / 6) and b.tpot == pytest.approx(1.1 / 2)
     assert summary["slo_attainment"] == 0.5
 
@@ -36,13 +36,14 @@ def test_simulator_costs_catch_up_and_batches_arrivals():
     requests = [Request(0, 0.0, 10, 12), Request(1, 0.0, 6, 12)]
     result = Simulator(prof, policy, acceptance=0.0).run(requests)
     steps = result.steps
-    assert steps[0].batch_size == 2 and steps[0].time == pytest.approx(2.0)       # one prefill for both
-    # step 2 drafts: catch-up of each row's prompt + 3 tokens (13 + 9 tokens: 0.22 s), then 2 tokens
-    assert steps[2].time - steps[1].time == pytest.approx(1.0 + 0.22 + 0.02)
+    # one prefill for both: target 1 s, draft 16 prompt tokens 0.16 s; then a plain step
+    assert steps[0].batch_size == 2 and steps[0].time == pytest.approx(1.16 + 1.0)
+    # step 2 drafts: catch-up of each row's first token + 2 plain steps' (3 + 3 tokens), then 2 tokens
+    assert steps[2].time - steps[1].time == pytest.approx(1.0 + 0.06 + 0.02)
     assert steps[3].time - steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)       # lag 1 from then on
     # with a prefill model of its own: 0.1 s per prompt token (16 of them), decode steps unchanged
     result = Simulator(prof, policy, acceptance=0.0, prefill=LatencyModel(0.0, 0.1, 0.0)).run(requests)
-    assert result.steps[0].time == pytest.approx(1.6 + 1.0)
+    assert result.steps[0].time == pytest.approx(1.6 + 0.16 + 1.0)
     assert result.steps[3].time - result.steps[2].time == pytest.approx(1.0 + 0.02 + 0.02)
 
 

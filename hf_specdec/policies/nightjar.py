@@ -3,10 +3,12 @@
 Time per batch size B is cut into blocks j of H = 2^(j-1) steps and bins of sqrt(H) steps. At a
 bin's start the bin explores (k uniform) with probability 1/b (b = the bin's index in its block,
 so every block starts exploring), else exploits
-    argmin_k  latency_per_token(B, k) + 1[previous k = 0 and k > 0] * C_switch(L_max, B) / k,
+    argmin_k  latency_per_token(B, k) + 1[previous k = 0 and k > 0] * C_switch(L_max, B) / (B k),
 and k stays locked for the bin. latency_per_token is step time / emitted tokens over all steps
 with that k (a ratio of sums: the throughput the arm delivered); C_switch is the time the draft
-model needs to catch up the L_max tokens it missed while speculation was off. Each batch size (by
+model needs to catch up the L_max tokens it missed while speculation was off. The paper's
+C_switch / k spreads it over one row's k tokens; our latency is per token of the whole batch,
+so the switching step's B rows share it (else a batch of 48 would almost never switch back on). Each batch size (by
 default, each power-of-two bucket of them) keeps its own statistics, so when load drops back to a
 small batch its (positive) k is found again: no decision deadlock.
 
@@ -164,21 +166,20 @@ class Nightjar(LengthPolicy):
     def _arms(self, state: _BatchState, ctx: StepContext) -> list[int]:
         """The k worth trying: all, or (prune) those whose best case beats every tried arm's worst.
         0 always stays: staying at 0 is how a switching cost is avoided. Switching on from 0 costs
-        C_switch once, spread at best over a bin of sqrt(H) steps emitting ub[k] tokens per row, or
-        over the tokens the rows may still emit if fewer (a call's first drafts prefill its prompt:
-        in a short call that alone can cost more than speculation saves)."""
+        C_switch once, spread at best over the tokens the rows may still emit (ctx.remaining): a
+        call's first drafts prefill its prompt, which in a short call can cost more than
+        speculation saves. (Not over a bin: the lag, so the cost, grows while k = 0, and pruning
+        on it would lock k = 0 for good, the decision deadlock.)"""
         arms = list(range(self.max_len + 1))
         tried = [k for k in arms if state.tokens[k]]
         if not self.prune or not tried:
             return arms
         bar = min(state.worst_case(k) for k in tried)
         ub = self._accepted_ub()
-        cost = self.switch_cost(ctx.max_lag, ctx.batch_size) / ctx.batch_size if self.previous_k == 0 else 0.0
-
-        def spread(k):     # tokens per row the switching cost is shared by, at best
-            bin_tokens = math.sqrt(state.horizon) * ub[k]
-            return min(bin_tokens, ctx.remaining) if ctx.remaining > 0 else bin_tokens
-        return [0] + [k for k in arms[1:] if state.best_case(k, ub) + cost / spread(k) <= bar]
+        switch = 0.0
+        if self.previous_k == 0 and ctx.remaining > 0:
+            switch = self.switch_cost(ctx.max_lag, ctx.batch_size) / (ctx.batch_size * ctx.remaining)
+        return [0] + [k for k in arms[1:] if state.best_case(k, ub) + switch <= bar]
 
     def _accepted_ub(self) -> list[float]:
         """By k: an upper confidence bound of the tokens a row emits per step with k drafts,
@@ -197,7 +198,7 @@ class Nightjar(LengthPolicy):
         for k in arms:
             if not state.tokens[k]:
                 return k                                          # untried: try it first
-            value = state.latency(k) + (cost / k if switching and k > 0 else 0.0)
+            value = state.latency(k) + (cost / (ctx.batch_size * k) if switching and k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
         return best

@@ -3,13 +3,14 @@
 It runs the same continuous-batching schedule as a real engine would, in simulated time, so
 policies can be compared at request rates and model sizes this machine cannot run:
   - arrived requests join between steps (up to `max_batch` running); their prompts are prefilled
-    by one target forward, which also gives each its first token;
+    by one target forward, which also gives each its first token, and one draft forward (as the
+    engine does: a joiner's draft then lags by its first token only);
   - a step over the B running rows holding C context tokens asks the policy for k (capped so no
     row drafts past its output length) and costs
         k > 0: T_draft(C, sum_b L_b) + sum_{i=1}^{k-1} T_draft(C + i B, B) + T_target(C, B (k + 1))
         k = 0: T_target(C, B)
     with L_b the tokens row b's draft has not been fed (its catch-up: 1-2 in steady state, the
-    switching cost after k = 0 steps, a new request's whole prompt) and T(N_context, N_tokens)
+    switching cost after k = 0 steps) and T(N_context, N_tokens)
     the `LatencyModel`s of a `CostProfile` (fitted by the profiler, or given for a GPU and model
     size); StepContext.max_lag = max_b L_b, as from `generate()`;
   - each row proposes drafts with probability `proposal_rate` (a lookup drafter often finds no
@@ -132,8 +133,8 @@ class Simulator:
                 joining.append(waiting.pop(0))
             if joining:                                     # prefill: one target forward, first tokens
                 prompts = sum(r.prompt_len for r in joining)
-                t += self.prefill.forward_time(prompts, prompts)
-                running += [_Row(r, 1, t, r.prompt_len + 1) for r in joining]
+                t += self.prefill.forward_time(prompts, prompts) + draft.forward_time(prompts, prompts)
+                running += [_Row(r, 1, t, 1) for r in joining]
                 running = self._retire(running, t, result)
                 if not running:
                     continue
