@@ -7,27 +7,28 @@ so every block starts exploring), else exploits
 and k stays locked for the bin. latency_per_token is step time / emitted tokens over all steps
 with that k (a ratio of sums: the throughput the arm delivered); C_switch is the time the draft
 model needs to catch up the L_max tokens it missed while speculation was off. The paper's
-C_switch / k spreads it over one row's k tokens; our latency is per token of the whole batch,
-so the switching step's B rows share it (else a batch of 48 would almost never switch back on). Each batch size (by
-default, each power-of-two bucket of them) keeps its own statistics, so when load drops back to a
-small batch its (positive) k is found again: no decision deadlock.
+C_switch / k spreads it over one row's k tokens; our latency is per token of the whole batch, so
+the switching step's B rows share it (else a batch of 48 would almost never switch back on).
+Each batch size (by default, each power-of-two bucket of them) keeps its own statistics, so when
+load drops back to a small batch its (positive) k is found again: no decision deadlock.
 
 Ours, beyond the paper. Statistics leave out the steps that prefill a call's prompt (its first
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
 `prune=True`: exploration and exploitation skip arms that, with high confidence, lose to another
-arm (successive elimination), and a bin whose k becomes such an arm ends early: an arm k > 0 whose optimistic latency per token exceeds the least
-pessimistic one of any tried arm (mean step seconds per row over a lower confidence bound on its
-tokens per row-step; plain decoding's tokens are certain) is left out until the bounds move. Arm
-k's optimistic latency per token is a lower confidence bound of its step seconds per row (no
-catch-up) divided by an upper confidence bound on its tokens per row-step: the least of k + 1,
-its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding, delta = e^-4), and 1 + sum_{j<=k} u_j, u_j an
-upper bound of P(a row's first j drafts are accepted). Every arm k' >= j measures that
-probability (drafts do not depend on how many follow them), so the u_j pool all arms and batch
-sizes. An untried longer arm k' is bounded by the longest tried arm k plus (k' - k) more draft
-forwards, all accepted: (s_k + (k' - k) d) / (k' + 1), d = fastest drafting seconds per row and
-draft. Where a speculative step costs many plain ones (a CPU at batch 16: ~20x), or drafts are
-rarely accepted, uniform exploration would otherwise cost more than the whole run gains.
+arm (successive elimination), and a bin whose k becomes such an arm ends early: an arm k > 0 whose
+optimistic latency per token exceeds the least pessimistic one of any tried arm (mean step seconds
+per row over a lower confidence bound on its tokens per row-step; plain decoding's tokens are
+certain) is left out until the bounds move. Arm k's optimistic latency per token is a lower
+confidence bound of its step seconds per row (no catch-up) divided by an upper confidence bound on
+its tokens per row-step: the least of k + 1, its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding,
+delta = e^-4), and 1 + sum_{j<=k} u_j, u_j an upper bound of P(a row's first j drafts are
+accepted). Every arm k' >= j measures that probability (drafts do not depend on how many follow
+them), so the u_j pool all arms and batch sizes. An untried longer arm k' is bounded by the longest
+tried arm k plus (k' - k) more draft forwards, all accepted: (s_k + (k' - k) d) / (k' + 1), d =
+fastest drafting seconds per row and draft. Where a speculative step costs many plain ones (a CPU
+at batch 16: ~20x), or drafts are rarely accepted, uniform exploration would otherwise cost more
+than the whole run gains.
 """
 from __future__ import annotations
 
