@@ -27,18 +27,18 @@ class CachedModel:
         self.cache = None
         self.forwards = 0   # in this generate() call
 
-    def reset(self, batch: SequenceBatch) -> None:
+    def reset(self, batch: SequenceBatch, from_first_real: bool = False) -> None:
+        """An empty cache for the active rows. from_first_real: each row starts at its first real
+        token, so a prefill does not compute the holes of a left-padded prompt (a joiner, on its
+        own, need not have them)."""
         n = len(batch.active)
         self.cache = _compat.new_cache(self.model)
         self.forwards = 0
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
-
-    def skip_left_padding(self, batch: SequenceBatch) -> None:
-        """After `reset`: start each row at its first real token, so a prefill does not compute
-        the holes of a left-padded prompt (which a row on its own, as a joiner is, need not have)."""
-        self.fed = batch.real_start(batch.active).to(self.fed.device)
+        if from_first_real:
+            self.fed = batch.real_start(batch.active).to(self.fed.device)
 
     def release(self, batch: SequenceBatch) -> None:
         """Drop the cache and its memory; every row catches up from its first token next time."""

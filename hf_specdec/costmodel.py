@@ -120,7 +120,8 @@ class CostProfile:
 
 def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int) -> list[float]:
     """Median seconds of one forward feeding w tokens per row after `context` cached ones, for
-    each w in `widths` (one prefill, cropped back after every timed forward)."""
+    each w in `widths` (one prefill, cropped back after every timed forward; context 0: each
+    forward is itself a prefill into an empty cache)."""
     import statistics
     import time
 
@@ -130,7 +131,8 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
     cache = _compat.new_cache(model)
     out = []
     with torch.no_grad():
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        if context:
+            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
         for width in widths:
             times = []
             for _ in range(repeats):
@@ -177,24 +179,8 @@ def profile_prefill(model, lengths: Sequence[int] = (16, 64, 128, 256), repeats:
     """A LatencyModel of prompt prefills: one row of L tokens into an empty cache, for L in
     `lengths`, fitted on samples (L, L, seconds). Decode-step profiles (a few tokens per row)
     extrapolate badly to hundreds: on a CPU a token costs less in a wide matrix-matrix product."""
-    import statistics
-    import time
-
     import torch
-
-    from . import _compat
     vocab = model.config.get_text_config().vocab_size
-    device = next(model.parameters()).device
-    samples = []
-    with torch.no_grad():
-        for length in lengths:
-            ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                model(input_ids=ids, past_key_values=_compat.new_cache(model), use_cache=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            samples.append((length, length, statistics.median(times)))
-    return LatencyModel.fit(samples)
+    ids = torch.randint(3, vocab, (1, max(lengths)), generator=torch.Generator().manual_seed(0))
+    seconds = _time_forwards(model, ids.to(next(model.parameters()).device), 0, lengths, repeats)
+    return LatencyModel.fit([(length, length, t) for length, t in zip(lengths, seconds)])

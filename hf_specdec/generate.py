@@ -136,7 +136,7 @@ class _Loop:
         decision = self.policy.choose(ctx)
         start = batch.lengths[rows].clone()                               # [n]
         room = self.limit[rows] - start - 1                               # drafts that fit
-        k = max(0, min(decision.length, int(room.max())))
+        k = max(0, min(decision.length, ctx.remaining - 1))               # no draft past the longest room
         offload = self.policy.offload
         if offload is not None and not offload.step(ctx, k):             # drafts not on the device
             k = 0

@@ -126,8 +126,7 @@ class ModelDrafter(Drafter):
         # caught up with a held head (joiners then feed everything and bring their own head).
         caught_up = self._head is not None and prefill
         joining = CachedModel(self.model)
-        joining.reset(batch)
-        joining.skip_left_padding(batch)
+        joining.reset(batch, from_first_real=True)
         if prefill:
             end = batch.lengths[batch.active] - (0 if caught_up else 1)
             logits = joining.forward(*joining.pending(batch, end), keep=1)        # [m, 1, vocab]

@@ -146,14 +146,17 @@ class Nightjar(LengthPolicy):
             arms = self.max_len + 1
             state = self.states[key] = _BatchState(seconds=[0.0] * arms, tokens=[0] * arms, row_steps=[0] * arms,
                                                    fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)])
-        if state.round > 1 and state.locked and state.locked not in self._arms(state, ctx):
+        if state.round > 1 and state.locked and state.locked not in self._arms(state, ctx, 0.0):
             _next_bin(state)              # the bin's k is now known to lose: the bin ends early
         if state.round == 1:                                      # a bin starts: lock its k
-            arms = self._arms(state, ctx)
+            # switching on from 0 costs the draft's catch-up of what it missed (at a call's start:
+            # its prompt); mid-bin the previous k is the locked one, so only here can it apply
+            cost = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.previous_k == 0 else 0.0
+            arms = self._arms(state, ctx, cost)
             if self.rng.random() < 1.0 / state.bin:
                 state.locked = self.rng.choice(arms)
             else:
-                state.locked = self._exploit(state, ctx, arms)
+                state.locked = self._exploit(state, arms, cost / ctx.batch_size)
         k = state.locked
         state.round += 1
         if state.round > math.sqrt(state.horizon):
@@ -164,7 +167,7 @@ class Nightjar(LengthPolicy):
         self.previous_k = k
         return k
 
-    def _arms(self, state: _BatchState, ctx: StepContext) -> list[int]:
+    def _arms(self, state: _BatchState, ctx: StepContext, switch_cost: float) -> list[int]:
         """The k worth trying: all, or (prune) those whose best case beats every tried arm's worst.
         0 always stays: staying at 0 is how a switching cost is avoided. Switching on from 0 costs
         C_switch once, spread at best over the tokens the rows may still emit (ctx.remaining): a
@@ -177,9 +180,7 @@ class Nightjar(LengthPolicy):
             return arms
         bar = min(state.worst_case(k) for k in tried)
         ub = self._accepted_ub()
-        switch = 0.0
-        if self.previous_k == 0 and ctx.remaining > 0:
-            switch = self.switch_cost(ctx.max_lag, ctx.batch_size) / (ctx.batch_size * ctx.remaining)
+        switch = switch_cost / (ctx.batch_size * ctx.remaining) if ctx.remaining > 0 else 0.0
         return [0] + [k for k in arms[1:] if state.best_case(k, ub) + switch <= bar]
 
     def _accepted_ub(self) -> list[float]:
@@ -192,14 +193,13 @@ class Nightjar(LengthPolicy):
             out.append(out[-1] + u)
         return out
 
-    def _exploit(self, state: _BatchState, ctx: StepContext, arms: list[int]) -> int:
-        switching = self.previous_k == 0
-        cost = self.switch_cost(ctx.max_lag, ctx.batch_size) if switching else 0.0
+    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float) -> int:
+        """argmin_k latency(k) + the switching cost per row over the k tokens it buys (k > 0)."""
         best, best_value = 0, math.inf
         for k in arms:
             if not state.tokens[k]:
                 return k                                          # untried: try it first
-            value = state.latency(k) + (cost / (ctx.batch_size * k) if switching and k > 0 else 0.0)
+            value = state.latency(k) + (cost_per_row / k if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
         return best

@@ -132,8 +132,7 @@ class Engine:
         resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
         joiner = CachedModel(self.model)
         with _only(batch, rows):
-            joiner.reset(batch)
-            joiner.skip_left_padding(batch)          # prompts sit left-padded to max_prompt_len
+            joiner.reset(batch, from_first_real=True)    # prompts sit left-padded to max_prompt_len
             logits = joiner.forward(*joiner.pending(batch), keep=1)             # [m, 1, vocab]
             first = loop.sampler.pick(loop.sampler.scores(batch, logits)[:, 0])
             batch.tokens[rows, batch.prompt_len] = first
