@@ -91,6 +91,8 @@ class CachedModel:
 
         The kept tokens are the accepted drafts (already written to the buffer): they count as fed.
         """
+        if spec_start == self.num_slots:      # nothing speculative (k = 0): nothing to undo
+            return
         keep = keep.to(self.device)
         slot = torch.arange(self.num_slots - spec_start, device=self.device)
         spec = self.slot_mask[:, spec_start:]

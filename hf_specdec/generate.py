@@ -234,14 +234,20 @@ class _Loop:
         """Check the stopping criteria after each new token, as generate() does per step; returns
         the number of new tokens each row keeps [n]."""
         rows = self.batch.active
-        for j in range(1, int(emitted.max()) + 1):
-            todo = ((emitted >= j) & (self.stopped_at[rows] < 0)).nonzero().squeeze(1)
-            for length in torch.unique(start[todo] + j).tolist():
-                group = rows[todo[start[todo] + j == length]]
+        # grouped in Python: one criteria call per distinct prefix length, few tensor ops per step
+        starts, counts, stopped = start.tolist(), emitted.tolist(), self.stopped_at[rows].tolist()
+        for j in range(1, max(counts) + 1):
+            groups: dict[int, list[int]] = {}
+            for i, (s, c, at) in enumerate(zip(starts, counts, stopped)):
+                if c >= j and at < 0:
+                    groups.setdefault(s + j, []).append(i)
+            for length, members in groups.items():
                 # full batch in original order: criteria may keep per-row state (as processors do)
-                hit = self.stopping_criteria(self.batch.tokens[:, :length], None).to(group.device)[group]
-                self.stopped_at[group[hit]] = length
-        stopped = self.stopped_at[rows]
+                hit = self.stopping_criteria(self.batch.tokens[:, :length], None).to(rows.device)[rows[members]]
+                for i, h in zip(members, hit.tolist()):
+                    stopped[i] = length if h else -1
+        stopped = torch.tensor(stopped, device=rows.device)
+        self.stopped_at[rows] = stopped
         if self.freeze_finished:
             emitted = torch.where(stopped >= 0, stopped - start, emitted)
         elif bool((self.stopped_at >= 0).all()):
@@ -259,10 +265,10 @@ class _Loop:
         done = lengths >= self.limit[rows]
         if self.freeze_finished:
             done |= self.stopped_at[rows] >= 0
-        batch.clear_scratch(rows)
         keep = (~done).nonzero().squeeze(1)
-        if not bool(done.any()):
+        if len(keep) == len(rows):
             return keep
+        batch.clear_scratch(rows[done])       # finished rows read as generate()'s: pad past the end
         batch.active = rows[keep]
         self.target.select_rows(keep)        # even to no rows: the engine may append joiners next
         for drafter in self.drafters:

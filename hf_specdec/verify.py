@@ -29,6 +29,11 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
     target_scores [n, k+1, vocab], processed; draft_probs [n, k, vocab] or None (point mass).
     """
     n, k = draft_tokens.shape
+    if k == 0:      # plain decoding step (speculation off): the next token only, same RNG draws
+        scores = target_scores[:, 0]
+        next_tokens = scores.argmax(-1) if not do_sample else \
+            torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
+        return VerifyResult(torch.zeros_like(draft_lens), next_tokens)
     rows = torch.arange(n, device=draft_tokens.device)
     proposed = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lens[:, None]  # [n, k]
 
@@ -50,15 +55,14 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
 
     p_next = target_probs[rows, num_accepted]                              # [n, vocab]
     rejected = num_accepted < draft_lens
-    if k > 0:
-        at = num_accepted.clamp(max=k - 1)
-        if draft_probs is None:
-            q_next = torch.zeros_like(p_next).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
-        else:
-            q_next = draft_probs[rows, at]
-        residual = (p_next - q_next).clamp(min=0)
-        # p == q up to rounding: rejection had probability ~0; fall back to p itself
-        residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p_next)
-        p_next = torch.where(rejected[:, None], residual, p_next)
+    at = num_accepted.clamp(max=k - 1)
+    if draft_probs is None:
+        q_next = torch.zeros_like(p_next).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
+    else:
+        q_next = draft_probs[rows, at]
+    residual = (p_next - q_next).clamp(min=0)
+    # p == q up to rounding: rejection had probability ~0; fall back to p itself
+    residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p_next)
+    p_next = torch.where(rejected[:, None], residual, p_next)
     next_tokens = torch.multinomial(p_next, 1, generator=generator).squeeze(1)
     return VerifyResult(num_accepted, next_tokens)

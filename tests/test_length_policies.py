@@ -281,10 +281,32 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     assert drafting_steps(1.5, 16) == []                # a draft dearer than the target: no acceptance would pay
 
 
+def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():
+    """An exact drafter with flat distributions (confidence 0.05) on a machine where every step runs
+    30% faster than profiled. Plain steps get corrected at once; a probe's step must count too
+    although its draft caught up first, or speculation keeps its uncorrected (30% too slow) time
+    and AdaSpec stays at k = 0 for good (as it did on the tiny exact pair at B=1)."""
+    policy = hf_specdec.AdaSpec(toy_profile(0.2), max_len=6, prior_confidence=0.05, probe_every=4)
+    lag, drafted = 0, []
+    for step in range(1, 80):
+        ctx = StepContext(step, 1, 1, [0], context_tokens=64, max_lag=lag)
+        n = drafted_length(policy, 1, 0.05, 6)            # calls choose(ctx) with the same numbers
+        policy.ctx = ctx
+        if n:
+            n = policy.verify_lengths([[0.05] * n])[0]
+        seconds = policy.model._modelled(1, 64, n, [n], lag) * 0.7
+        policy.observe(StepRecord(1, [0 if n else -1], 6 if n else 0, [n], [n], [n + 1], 0.0, seconds,
+                                  step=step, lag=lag))
+        lag = 2 if n else lag + 1
+        drafted.append(n)
+    assert sum(n > 0 for n in drafted[-20:]) >= 18, drafted
+    assert statistics.mean(drafted[-20:]) >= 5, drafted
+
+
 def test_goodput_policies_correct_the_latency_model_with_measured_steps():
     """Speculative steps measured 4x slower than modelled (as a CPU's matrix-matrix kernel can be)
-    turn drafting off although every draft is accepted; prompt prefills and catch-ups, which the
-    model does not describe, are ignored."""
+    turn drafting off although every draft is accepted; prompt prefills, which the model does not
+    describe, are ignored, and a draft catch-up is modelled (it does not look like a slow step)."""
     prof = toy_profile()
     ctx = StepContext(1, 1, 1, [0], context_tokens=64)
     for policy in (hf_specdec.DSDGoodput(prof), hf_specdec.AdaSpec(prof, calibrate=False, prior_confidence=0.7)):
@@ -292,7 +314,8 @@ def test_goodput_policies_correct_the_latency_model_with_measured_steps():
         assert k > 0
         modelled = policy.model.step_time(1, 64, k, [k])
         outliers = [StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=0),          # prefill
-                    StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=5, lag=40)]  # catch-up
+                    StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, policy.model.step_time(1, 64, k, [k], lag=40),
+                               step=5, lag=40)]                                                   # catch-up
         for record in outliers:
             policy.observe(record)
         assert policy.choose(ctx) == k

@@ -16,6 +16,7 @@ the acceptance rate measured so far (which stops being measured once k = 0: its 
 """
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 from ..costmodel import CostProfile
@@ -44,23 +45,24 @@ class _GoodputModel:
         self.profile, self.slo_tpot = profile, slo_tpot
         self.scale: dict[tuple[int, bool], tuple[float, int]] = {}   # (bucket, drafting) -> (ratio, steps)
 
-    def _modelled(self, batch: int, context: int, drafted: int, verified: list[int]) -> float:
-        draft = sum(self.profile.draft.forward_time(context + i * batch, batch) for i in range(drafted))
+    def _modelled(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
+        # the first draft forward also feeds what the draft missed: `lag` tokens per row (1 in steady
+        # state; a whole stretch of plain steps after speculation was off)
+        draft = sum(self.profile.draft.forward_time(context + i * batch, batch * (max(lag, 1) if i == 0 else 1))
+                    for i in range(drafted))
         return draft + self.profile.target.forward_time(context, sum(v + 1 for v in verified))
 
-    def step_time(self, batch: int, context: int, drafted: int, verified: list[int]) -> float:
+    def step_time(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
         ratio, _ = self.scale.get((pow2_bucket(batch), drafted > 0), (1.0, 0))
-        return ratio * self._modelled(batch, context, drafted, verified)
+        return ratio * self._modelled(batch, context, drafted, verified, lag)
 
     def learn(self, record: StepRecord, context: int) -> None:
-        """Fold a measured step into the correction; a step that prefilled the prompt or caught up
-        a lagging draft (costs the linear model does not describe) is left out."""
-        # steady-state lag is 1, or 2 after a step whose drafts were all accepted (the last draft is
-        # never fed); more is a catch-up after plain steps
-        if record.step == 0 or (record.k and record.lag > 2) or not record.batch_size:
+        """Fold a measured step into the correction, its draft catch-up modelled too (probes after
+        plain steps then count); a step that prefilled the prompt is left out."""
+        if record.step == 0 or not record.batch_size:
             return
         drafted = max(record.proposed) if record.k else 0
-        modelled = self._modelled(record.batch_size, context, drafted, record.proposed)
+        modelled = self._modelled(record.batch_size, context, drafted, record.proposed, record.lag)
         if modelled <= 0:
             return
         key = (pow2_bucket(record.batch_size), drafted > 0)
@@ -121,7 +123,8 @@ class AdaSpec(LengthPolicy):
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
     a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
     draft anyway after this many non-drafting steps, so estimates keep being measured (the gap
-    doubles after each probe that changed nothing, up to 32 x probe_every)."""
+    doubles after each probe that changed nothing, up to 32 x probe_every). A probe drafts and
+    verifies all max_len tokens: it measures acceptance at every depth, not just the first."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
                  prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8):
@@ -132,20 +135,22 @@ class AdaSpec(LengthPolicy):
         self.model = _GoodputModel(_as_profile(cost_model), slo_tpot)
         self.max_len = max_len
         self.calibration = Calibration() if calibrate else (lambda c: c)
-        self.mean_acceptance, self.seen = prior_confidence, 0   # of one more draft, for the prediction
+        self.prior_confidence = prior_confidence
+        self.recent: deque[float] = deque(maxlen=50)             # confidences of the latest drafts
         self.probe_every = non_negative_int(probe_every, "AdaSpec(probe_every)") or 1
         self.idle = 0                                            # steps since the last drafting step
+        self.probing = False                                     # this step drafts to measure
         self.probe_gap = self.probe_every                        # idle steps before the next probe
         self.ctx: StepContext | None = None
         self.verified: list[list[float]] | None = None          # this step's confidences, for observe
 
     def choose(self, ctx: StepContext) -> int:
-        self.ctx, self.verified = ctx, None
+        self.ctx, self.verified, self.probing = ctx, None, False
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
         plain = goodput(0, 1.0)
-        if goodput(1, self.mean_acceptance) > plain:
+        if goodput(1, self.mean_acceptance()) > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
         # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
@@ -156,18 +161,28 @@ class AdaSpec(LengthPolicy):
         self.idle += 1
         if self.idle >= self.probe_gap and max(goodput(j, 1.0) for j in range(1, self.max_len + 1)) > plain:
             self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
+            self.probing = True
             return self.max_len
         return 0
+
+    def mean_acceptance(self) -> float:
+        """The guess for one more draft's acceptance: the latest drafts' confidences through the
+        calibration as it is now (it keeps learning, so old estimates are not averaged in)."""
+        if not self.recent:
+            return self.prior_confidence
+        return sum(self.calibration(c) for c in self.recent) / len(self.recent)
 
     def _ar(self, confidences: list[list[float]]) -> list[list[float]]:
         """AR_{b,i}: probability that row b's drafts up to i are all accepted."""
         return [_cumulative([self.calibration(c) for c in row]) for row in confidences]
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
+        if self.probing:
+            return [True] * len(confidences)
         ar = self._ar(confidences)
         drafted = len(confidences[0])
         now = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
-        guess = [row + [row[-1] * self.mean_acceptance] for row in ar]
+        guess = [row + [row[-1] * self.mean_acceptance()] for row in ar]
         more = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted + 1, guess) > now
         return [more] * len(confidences)
 
@@ -179,12 +194,11 @@ class AdaSpec(LengthPolicy):
 
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         self.verified = confidences
-        for c in (c for row in confidences for c in row):   # correct the guess with what was drafted
-            self.seen += 1
-            # a running mean that forgets slowly, as the calibration it averages keeps learning
-            self.mean_acceptance += (self.calibration(c) - self.mean_acceptance) / min(self.seen, 50)
+        self.recent.extend(c for row in confidences for c in row)
         ar = self._ar(confidences)
         drafted = max((len(row) for row in ar), default=0)
+        if self.probing:
+            return [len(row) for row in ar]
         best = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
         while any(ar):
             # the lowest-estimate draft of any row is that row's last one (AR falls along a row)
