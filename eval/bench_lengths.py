@@ -208,15 +208,16 @@ def plot(all_results: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3 * len(envs)), squeeze=False)
     for row, env in zip(axes, envs):
         changing = all_results[env]["batches"]["changing"]["methods"]
-        for m in ("nightjar", "adaspec", "dsd", "hf-heuristic"):
+        shown = [m for m in ("nightjar", "adaspec", "dsd", "hf-heuristic") if m in changing]
+        for m in shown:
             steps = changing[m]["k_over_time"]
             row[0].plot([s[2] for s in steps], label=m, drawstyle="steps-post")
         row[0].set_title(f"{env}: drafts per step, changing batch")
         row[0].set_xlabel("step")
         row[0].legend(fontsize=7)
-        batch = [s[0] for s in changing["nightjar"]["k_over_time"]]
-        row[1].plot(batch, color="grey")
-        row[1].set_title("active batch size (nightjar run)")
+        if shown:
+            row[1].plot([s[0] for s in changing[shown[0]]["k_over_time"]], color="grey")
+            row[1].set_title(f"active batch size ({shown[0]} run)")
         row[1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -56,12 +56,14 @@ class _GoodputModel:
         ratio, _ = self.scale.get((pow2_bucket(batch), drafted > 0), (1.0, 0))
         return ratio * self._modelled(batch, context, drafted, verified, lag)
 
-    def learn(self, record: StepRecord, context: int) -> None:
+    def learn(self, record: StepRecord, context: int, drafted: int | None = None) -> None:
         """Fold a measured step into the correction, its draft catch-up modelled too (probes after
-        plain steps then count); a step that prefilled the prompt is left out."""
+        plain steps then count); a step that prefilled the prompt is left out. drafted: the draft
+        forwards run, if more than the longest verified row (drafts dropped before verification)."""
         if record.step == 0 or not record.batch_size:
             return
-        drafted = max(record.proposed) if record.k else 0
+        if drafted is None:
+            drafted = max(record.proposed) if record.k else 0
         modelled = self._modelled(record.batch_size, context, drafted, record.proposed, record.lag)
         if modelled <= 0:
             return
@@ -187,7 +189,9 @@ class AdaSpec(LengthPolicy):
         return [more] * len(confidences)
 
     def observe(self, record: StepRecord) -> None:
-        self.model.learn(record, self.ctx.context_tokens)
+        # drafts dropped before verification were still drafted: the step is a drafting one
+        drafted = max((len(row) for row in self.verified), default=0) if self.verified is not None else 0
+        self.model.learn(record, self.ctx.context_tokens, drafted)
         if self.verified is not None and isinstance(self.calibration, Calibration):
             for confidences, accepted, proposed in zip(self.verified, record.accepted, record.proposed):
                 self.calibration.update(confidences, accepted, proposed)

@@ -24,9 +24,11 @@ confidence bound of its step seconds per row (no catch-up) divided by an upper c
 its tokens per row-step: the least of k + 1, its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding,
 delta = e^-4), and 1 + sum_{j<=k} u_j, u_j an upper bound of P(a row's first j drafts are
 accepted). Every arm k' >= j measures that probability (drafts do not depend on how many follow
-them), so the u_j pool all arms and batch sizes. An untried longer arm k' is bounded by the longest
-tried arm k plus (k' - k) more draft forwards, all accepted: (s_k + (k' - k) d) / (k' + 1), d =
-fastest drafting seconds per row and draft. Where a speculative step costs many plain ones (a CPU
+them), so the u_j pool all arms and batch sizes. An untried arm k' is bounded through any shorter
+tried arm j (plain decoding included) plus k' - j more draft forwards: max_j (s_j + (k' - j) d) /
+(1 + sum_{i<=k'} u_i), d = fastest drafting seconds per row and draft. Untried arms are tried plain
+first, then the longest (its drafts are judged at every depth), so most arms in between are pruned
+before they cost a bin. Where a speculative step costs many plain ones (a CPU
 at batch 16: ~20x), or drafts are rarely accepted, uniform exploration would otherwise cost more
 than the whole run gains.
 """
@@ -67,11 +69,12 @@ class _BatchState:
         if self.fastest[k] < math.inf:
             n = self.row_steps[k]
             return self.fast_seconds(k) / min(accepted_ub[k], self.tokens[k] / n + k * _radius(n))
-        tried = [j for j in range(1, k) if self.fastest[j] < math.inf]
+        # untried: at least a shorter tried arm j's step plus k - j more drafts (j = 0: a plain step
+        # plus k drafts; verifying more tokens never costs less)
+        tried = [j for j in range(k) if self.fastest[j] < math.inf]
         if not tried or self.draft_per_token == math.inf:
             return 0.0
-        j = tried[-1]
-        return (self.fast_seconds(j) + (k - j) * self.draft_per_token) / accepted_ub[k]
+        return max(self.fast_seconds(j) + (k - j) * self.draft_per_token for j in tried) / accepted_ub[k]
 
     def fast_seconds(self, k: int) -> float:
         """A lower confidence bound of arm k's step seconds per row without catch-up: the mean less
@@ -195,10 +198,13 @@ class Nightjar(LengthPolicy):
 
     def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float) -> int:
         """argmin_k latency(k) + the switching cost per row over the k tokens it buys (k > 0)."""
+        untried = [k for k in arms if not state.tokens[k]]
+        if untried:
+            # plain first, then the longest arm: its drafts are judged at every depth and bound every
+            # shorter arm (`best_case`), so the arms in between are mostly pruned untried
+            return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
         best, best_value = 0, math.inf
         for k in arms:
-            if not state.tokens[k]:
-                return k                                          # untried: try it first
             value = state.latency(k) + (cost_per_row / k if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
