@@ -13,11 +13,15 @@ at ~60% of peak, alpha = KV bytes read per context token / memory bandwidth:
        and a Qwen2.5-0.5B draft; acceptance 0.65; at most 128 running requests
   13b  A100-40GB (1.5 TB/s, 312 TFLOPs): vicuna-13b (MHA: 0.8 MB KV per token) and
        vicuna-68m (launch-bound); acceptance 0.55; at most 48 running requests (KV memory)
+Memory (the offload comparison): the card's memory less the target's fp16 weights and ~1.5-2 GB of
+activations holds the KV caches and the draft; each request reserves prompt + output tokens of KV
+(`serving.MemoryModel`); reloading the draft copies its weights over PCIe 4 (~25 GB/s).
 
 Workloads: Poisson arrivals at each `--rates` value, and a phased stream (low / high / low);
 prompts and outputs drawn from ShareGPT-like ranges. Policies: plain (k = 0), fixed k = 1..5
 (k = 3 is Nightjar's "SD" baseline), DSDGoodput, AdaSpec and Nightjar, each a fresh object per
-run. Reports output tokens/s, mean and p90 latency, mean TPOT and SLO attainment; writes
+run. Then plain, Nightjar and AdaSpec again with the memory model, without and with
+`DraftOffload` (fixed k > 0 never switches speculation off, so it never offloads). Reports output tokens/s, mean and p90 latency, mean TPOT and SLO attainment; writes
 <out>.json, <out>.md and <out>.png (rate, batch size and k over time on the phased stream).
 """
 from __future__ import annotations
@@ -29,13 +33,17 @@ from pathlib import Path
 
 import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
-from hf_specdec.serving import Simulator, phased, poisson
+from hf_specdec.serving import MemoryModel, Simulator, phased, poisson
 
 logger = logging.getLogger("bench_serving_sim")
 
 SETTINGS = {  # (target alpha, gamma, delta), (draft alpha, gamma, delta), acceptance, max batch
     "7b": ((0.06e-6, 0.15e-3, 15e-3), (0.012e-6, 0.01e-3, 4e-3), 0.65, 128),
     "13b": ((0.55e-6, 0.14e-3, 20e-3), (0.004e-6, 0.001e-3, 2e-3), 0.55, 48),
+}
+MEMORY = {  # bytes: KV + draft capacity, target KV per token, draft weights, draft KV per token; reload s
+    "7b": MemoryModel(int(7.3e9), 57344, int(0.99e9), 12288, 0.04),       # 24 GB - 15.2 GB weights
+    "13b": MemoryModel(int(12e9), 819200, int(0.136e9), 6144, 0.005),     # 40 GB - 26 GB weights
 }
 
 
@@ -52,6 +60,22 @@ def policies(prof: CostProfile, max_len: int) -> dict:
     out.update({"dsd": lambda: hf_specdec.DSDGoodput(prof, max_len=max_len),
                 "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=max_len),
                 "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0)})
+    return out
+
+
+def offload_policies(prof: CostProfile, max_len: int, memory: MemoryModel) -> dict:
+    """Policies that switch speculation off, without and with draft offload (the same memory)."""
+    def offload():
+        # persist longer than Nightjar's exploration bins: with persist_steps=8 its k = 0 bins alone
+        # offloaded the draft where speculation pays (13b), and with the memory full it never came back
+        return hf_specdec.DraftOffload(low_free_bytes=2 * memory.draft_bytes, persist_steps=64)
+    lengths = {"plain": lambda: hf_specdec.FixedLength(0),
+               "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0),
+               "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=max_len)}
+    out = {}
+    for name, make in lengths.items():
+        out[name] = lambda make=make: hf_specdec.SpecPolicy(length=make())
+        out[f"{name}+offload"] = lambda make=make: hf_specdec.SpecPolicy(length=make(), offload=offload())
     return out
 
 
@@ -81,7 +105,9 @@ def main(argv=None):
                for r in args.rates.split(",")}
     phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
     streams["phased"] = phased(phases, seed=args.seed, **lengths)
-    results = {"args": vars(args), "profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "streams": {}}
+    memory = None if args.profile else MEMORY[args.setting]
+    results = {"args": vars(args), "profile": {"target": vars(prof.target), "draft": vars(prof.draft)},
+               "memory": vars(memory) if memory else None, "streams": {}, "offload": {}}
     traces = {}
     for name, requests in streams.items():
         rows = {}
@@ -94,6 +120,19 @@ def main(argv=None):
         best_fixed = max((m for m in rows if m.startswith("fixed:")), key=lambda m: rows[m]["tokens_per_s"])
         results["streams"][name] = {"requests": len(requests), "best_fixed": best_fixed, "methods": rows}
         logger.info("%s: %s", name, {m: r["tokens_per_s"] for m, r in rows.items()})
+        if memory is None:
+            continue
+        rows = {}
+        for method, make in offload_policies(prof, args.max_len, memory).items():
+            policy = make()
+            res = Simulator(prof, policy, args.acceptance, max_batch=args.max_batch, seed=args.seed,
+                            memory=memory).run(requests)
+            rows[method] = {k: round(v, 5) for k, v in res.summary(args.slo_tpot).items()}
+            rows[method]["max_batch_seen"] = max(s.batch_size for s in res.steps)
+            if policy.offload is not None:
+                rows[method]["offloads"] = sum(e.action == "offload" for e in policy.offload.events)
+        results["offload"][name] = rows
+        logger.info("%s with memory: %s", name, {m: r["tokens_per_s"] for m, r in rows.items()})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -117,7 +156,17 @@ def markdown(results, args) -> str:
             cells.append(f"{mark}{x['tokens_per_s']:.0f}{mark} ({x['mean_latency_s']:.1f} / {x['p90_latency_s']:.1f} / "
                          f"{x['mean_tpot_s'] * 1e3:.1f} / {x.get('slo_attainment', 0):.2f})")
         lines.append(f"| {stream} ({r['requests']} req) | " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", "Bold: the best fixed k on that stream."]) + "\n"
+    lines += ["", "Bold: the best fixed k on that stream."]
+    if results["offload"]:
+        methods = list(next(iter(results["offload"].values())))
+        lines += ["", "## With the memory model: without / with draft offload", "",
+                  "tokens/s (largest running batch; offloads)", "",
+                  "| stream | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+        for stream, rows in results["offload"].items():
+            cells = [f"{x['tokens_per_s']:.0f} ({x['max_batch_seen']}" + (f"; {x['offloads']})" if "offloads" in x else ")")
+                     for x in rows.values()]
+            lines.append(f"| {stream} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(traces, phases, path: Path) -> None:

@@ -4,7 +4,8 @@ import pytest
 import hf_specdec
 from helpers import Scripted
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
-from hf_specdec.serving import Request, Simulator, load_trace, phased, poisson
+from hf_specdec.policies import LengthPolicy
+from hf_specdec.serving import MemoryModel, Request, Simulator, load_trace, phased, poisson
 
 
 def profile(target=(0.0, 0.0, 1.0), draft=(0.0, 0.0, 0.1)):
@@ -59,6 +60,57 @@ def test_simulator_rows_without_drafts_verify_only_their_next_token():
     steps = half.run([Request(i, 0.0, 4, 200) for i in range(4)]).steps
     widths = [round(s2.time - s1.time) // 4 - 1 for s1, s2 in zip(steps, steps[1:])]   # verified drafts
     assert set(widths[:-2]) == {0, 2} and 0.02 < widths.count(0) / len(widths) < 0.15   # no row: 1/16
+
+
+def test_simulator_calls_the_length_policys_drafting_hooks():
+    # the policy asks for 3 drafts, stops drafting after 2 and has row 1 verify none of them
+    class StopsEarly(LengthPolicy):
+        def choose(self, ctx):
+            return 3
+        def continue_drafting(self, confidences):
+            assert confidences[0] == [0.75] * len(confidences[0])     # confidence = acceptance
+            return [len(confidences[0]) < 2] * len(confidences)
+        def verify_lengths(self, confidences):
+            return [len(confidences[0]), 0]
+    prof = profile(target=(0.0, 1.0, 0.0), draft=(0.0, 0.0, 0.1))   # 1 s per verified token, 0.1 s per draft forward
+    steps = Simulator(prof, StopsEarly(), acceptance=0.75).run([Request(i, 0.0, 4, 100) for i in range(2)]).steps
+    # prefill 8 tokens + one draft forward; then 2 draft forwards and 2 rows x 3 verified positions
+    assert steps[0].time == pytest.approx(8.1 + 0.2 + 6.0)
+
+
+def test_simulator_memory_limits_admission_and_offload_frees_it():
+    # each request reserves 4 + 6 = 10 bytes of KV; the draft weighs 10: 2 requests fit beside it, 3 without
+    memory = MemoryModel(capacity=30, kv_per_token=1, draft_bytes=10, reload_seconds=0.5)
+    requests = [Request(i, 0.0, 4, 6) for i in range(6)]
+    def run(offload):
+        policy = hf_specdec.SpecPolicy(length=hf_specdec.FixedLength(0), offload=offload)
+        return Simulator(profile(), policy, acceptance=1.0, memory=memory).run(requests), policy
+    kept, _ = run(None)
+    freed, policy = run(hf_specdec.DraftOffload(low_free_bytes=5, persist_steps=2))
+    assert max(s.batch_size for s in kept.steps) == 2
+    events = policy.offload.events          # offloaded after 2 tight k = 0 steps; back once the batch is small
+    assert [(e.action, e.step) for e in events[:1]] == [("offload", 2)] and "reload-start" in events[-1].action
+    assert max(s.batch_size for s in freed.steps) == 3
+    assert freed.summary()["tokens_per_s"] > kept.summary()["tokens_per_s"]
+    with pytest.raises(ValueError, match="needs memory"):
+        Simulator(profile(), policy, acceptance=1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        Simulator(profile(), hf_specdec.FixedLength(0), 1.0, memory=memory).run([Request(0, 0.0, 15, 10)])
+
+
+def test_simulator_reloads_the_draft_when_load_drops():
+    # k = 0 for 6 steps (the draft goes), then k = 2 is wanted; the lone late request gets it once the
+    # reload has landed, after its draft caught up the whole context (its cache went with the draft)
+    prof = profile(draft=(0.0, 0.01, 0.0))
+    memory = MemoryModel(capacity=30, kv_per_token=1, draft_bytes=10, reload_seconds=0.5)
+    offload = hf_specdec.DraftOffload(low_free_bytes=5, persist_steps=2, reload_batch_size=1)
+    policy = hf_specdec.SpecPolicy(length=Scripted(lambda step: 0 if step < 6 else 2), offload=offload)
+    requests = [Request(i, 0.0, 4, 6) for i in range(3)] + [Request(3, 100.0, 4, 8)]
+    steps = Simulator(prof, policy, acceptance=1.0, memory=memory).run(requests).steps
+    assert [e.action for e in offload.events] == ["offload", "reload-start", "resident"]
+    late = [s for s in steps if s.time > 100]
+    assert [s.k for s in late] == [2, 2, 0]                              # the last token: no room
+    assert late[0].time - 100 == pytest.approx(1.0 + 1.0 + 0.05 + 0.01)  # prefill, verify, catch-up 5, draft 1
 
 
 def test_simulator_rejects_bad_arguments():

@@ -16,8 +16,17 @@ policies can be compared at request rates and model sizes this machine cannot ru
   - each row proposes drafts with probability `proposal_rate` (a lookup drafter often finds no
     match; a step where no row proposes verifies one token per row, as the engine does), accepts
     each with probability `acceptance` until the first rejection, and
-    emits accepted + 1 tokens (capped at what it still needs); the policy observes a
-    `StepRecord` with the simulated times, as it would from `generate()`.
+    emits accepted + 1 tokens (capped at what it still needs); a policy that reads draft
+    confidences (AdaSpec) sees each draft's confidence = `acceptance` (a calibrated drafter), and
+    may stop drafting and drop drafts before verification as in `generate()`; the policy observes a
+    `StepRecord` with the simulated times, as it would from `generate()`;
+  - with a `MemoryModel`, a request is admitted only when its whole KV reservation (prompt +
+    output tokens, the target's and, while the draft is on the device, the draft's) fits beside
+    the draft's weights. A policy's `DraftOffload` then acts as it does on a GPU (the manager's own
+    decisions; only the memory probe and the draft's residency are simulated): offloading frees
+    the draft's weights and cache for more requests, and drops the draft's KV cache (every row
+    then lags by its whole context); a reload takes `reload_seconds` off the decoding path, with
+    speculation held at k = 0 until it lands.
 """
 from __future__ import annotations
 
@@ -26,7 +35,8 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..costmodel import CostProfile, LatencyModel
-from ..policies import StepContext, resolve_policy
+from ..offload import OFFLOADED, RELOADING, RESIDENT
+from ..policies import LengthPolicy, StepContext, resolve_policy
 from ..stats import StepRecord
 from .workload import Request
 
@@ -82,6 +92,53 @@ class RunResult:
 
 
 @dataclass
+class MemoryModel:
+    """Accelerator bytes left beside the target's weights and activations, and what uses them."""
+
+    capacity: int                 # for KV caches and the draft's weights
+    kv_per_token: int             # the target's KV cache per token
+    draft_bytes: int = 0          # the draft's weights
+    draft_kv_per_token: int = 0   # the draft's KV cache per token
+    reload_seconds: float = 0.0   # copying the draft's weights back (host -> device)
+
+    def __post_init__(self):
+        for name in ("capacity", "kv_per_token", "draft_bytes", "draft_kv_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MemoryModel.{name} must be an integer number of bytes >= 0, got {value!r}")
+        if isinstance(self.reload_seconds, bool) or not isinstance(self.reload_seconds, (int, float)) \
+                or self.reload_seconds < 0:
+            raise ValueError(f"MemoryModel.reload_seconds must be >= 0, got {self.reload_seconds!r}")
+
+    def used(self, requests: list[Request], draft_resident: bool) -> int:
+        """Bytes held by these requests' reservations and, if resident, the draft."""
+        per_token = self.kv_per_token + (self.draft_kv_per_token if draft_resident else 0)
+        return sum(r.prompt_len + r.output_len for r in requests) * per_token + \
+            (self.draft_bytes if draft_resident else 0)
+
+
+class _SimulatedDraft:
+    """The draft's residency as `DraftOffload` sees it (what `DraftResidencyHook` is on a GPU), in
+    simulated time: the simulator sets `now` before each step."""
+
+    def __init__(self, memory: MemoryModel):
+        self.state, self.nbytes, self.reload_seconds = RESIDENT, memory.draft_bytes, memory.reload_seconds
+        self.now = self.ready_at = 0.0
+        self.dropped = False        # the draft's cache was dropped (offload) since the simulator looked
+
+    def offload(self) -> None:
+        self.state, self.dropped = OFFLOADED, True
+
+    def start_reload(self) -> None:
+        self.state, self.ready_at = RELOADING, self.now + self.reload_seconds
+
+    def poll(self) -> bool:
+        if self.state == RELOADING and self.now >= self.ready_at:
+            self.state = RESIDENT
+        return self.state == RESIDENT
+
+
+@dataclass
 class _Row:
     request: Request
     produced: int          # output tokens so far
@@ -94,10 +151,11 @@ class Simulator:
     accepts; acceptance: probability that a draft token is accepted; proposal_rate: probability that
     a row has drafts at a step; max_batch: most running rows;
     prefill: the LatencyModel of prompt prefills (default: the profile's target model, fitted on
-    decode steps; `costmodel.profile_prefill` measures one)."""
+    decode steps; `costmodel.profile_prefill` measures one); memory: a `MemoryModel` (None: memory
+    never limits admission; required by a policy with offload, whose probe and draft it replaces)."""
 
     def __init__(self, profile: CostProfile, policy, acceptance: float, max_batch: int = 256, seed: int = 0,
-                 prefill: LatencyModel | None = None, proposal_rate: float = 1.0):
+                 prefill: LatencyModel | None = None, proposal_rate: float = 1.0, memory: MemoryModel | None = None):
         if not isinstance(profile, CostProfile):
             raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
         if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
@@ -108,10 +166,32 @@ class Simulator:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefill is not None and not isinstance(prefill, LatencyModel):
             raise TypeError(f"prefill must be a LatencyModel or None, got {type(prefill).__name__}")
+        if memory is not None and not isinstance(memory, MemoryModel):
+            raise TypeError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
         self.prefill = prefill or profile.target
         self.profile, self.policy = profile, resolve_policy(policy)
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
+        self.memory = memory
+        # a length policy's drafting hooks see each draft's confidence = `acceptance` (a calibrated
+        # drafter), as `generate()` calls them (only where the policy has them)
+        length_type = type(self.policy.length)
+        self._controls = length_type.continue_drafting is not LengthPolicy.continue_drafting
+        self._trims = length_type.verify_lengths is not LengthPolicy.verify_lengths
+        if self.policy.offload is not None and memory is None:
+            raise ValueError("a policy with offload needs memory=MemoryModel(...): offloading acts on memory")
+
+    def _drafted(self, k: int, rows: int) -> int:
+        """Draft forwards before the length policy stops drafting (all k if it has no such hook)."""
+        if not self._controls:
+            return k
+        confidences = [[] for _ in range(rows)]
+        for j in range(1, k):
+            for row in confidences:
+                row.append(self.acceptance)
+            if not any(self.policy.length.continue_drafting(confidences)):
+                return j
+        return k
 
     def _accepted(self, k: int) -> int:
         n = 0
@@ -124,17 +204,39 @@ class Simulator:
         waiting = sorted(requests, key=lambda r: r.arrival)
         running: list[_Row] = []
         result, t, step = RunResult(), 0.0, 0
+        memory, offload = self.memory, self.policy.offload
+        resident = _SimulatedDraft(memory) if memory is not None else None
+        if memory is not None:
+            too_big = [r.id for r in requests if memory.used([r], True) > memory.capacity]
+            if too_big:
+                raise ValueError(f"requests {too_big[:5]} alone, with the draft, need more than MemoryModel.capacity")
+        if offload is not None:          # the real manager, on the simulated memory and draft
+            offload.hooks, offload.drafters = {0: resident}, []
+            offload.probe = lambda: memory.capacity - memory.used([r.request for r in running], resident.state != OFFLOADED)
+
+        def admits(request: Request) -> bool:
+            if len(running) + len(joining) >= self.max_batch:
+                return False
+            if memory is None:
+                return True
+            held = [r.request for r in running] + joining + [request]
+            draft_on = resident.state != OFFLOADED
+            return memory.used(held, draft_on) <= memory.capacity
         self.policy.begin(StepContext(0, 0, 1))
         while waiting or running:
             if not running and waiting[0].arrival > t:
                 t = waiting[0].arrival                      # idle until the next arrival
             joining = []
-            while waiting and waiting[0].arrival <= t and len(running) + len(joining) < self.max_batch:
+            while waiting and waiting[0].arrival <= t and admits(waiting[0]):
                 joining.append(waiting.pop(0))
             if joining:                                     # prefill: one target forward, first tokens
                 prompts = sum(r.prompt_len for r in joining)
-                t += self.prefill.forward_time(prompts, prompts) + draft.forward_time(prompts, prompts)
-                running += [_Row(r, 1, t, 1) for r in joining]
+                t += self.prefill.forward_time(prompts, prompts)
+                if resident is None or resident.state == RESIDENT:   # the draft prefills them too
+                    t += draft.forward_time(prompts, prompts)
+                    running += [_Row(r, 1, t, 1) for r in joining]
+                else:                                       # offloaded: the draft will catch up all
+                    running += [_Row(r, 1, t, r.prompt_len + 1) for r in joining]
                 running = self._retire(running, t, result)
                 if not running:
                     continue
@@ -144,11 +246,23 @@ class Simulator:
             lag = max(r.lag for r in running)
             ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag, room + 1)
             k = max(0, min(self.policy.choose(ctx).length, room))
+            if offload is not None:
+                resident.now = t
+                if not offload.step(ctx, k):                # drafts not on the device
+                    k = 0
+                if resident.dropped:                        # its cache went with it
+                    resident.dropped = False
+                    for r in running:
+                        r.lag = r.request.prompt_len + r.produced
             if k:
+                drafted = self._drafted(k, rows)
                 draft_s = draft.forward_time(context, sum(r.lag for r in running)) + sum(
-                    draft.forward_time(context + i * rows, rows) for i in range(1, k))
-                proposed = [k if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
+                    draft.forward_time(context + i * rows, rows) for i in range(1, drafted))
+                proposed = [drafted if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
                             for _ in running]
+                if self._trims:
+                    wanted = self.policy.length.verify_lengths([[self.acceptance] * p for p in proposed])
+                    proposed = [min(p, max(0, w)) for p, w in zip(proposed, wanted)]
                 accepted = [min(self._accepted(p), r.request.output_len - r.produced - 1)
                             for p, r in zip(proposed, running)]
             else:
