@@ -102,7 +102,7 @@ def main(argv=None):
         proposal_rate, draft_per_token = measured_lookup(engine.stats)
         calibrated = CostProfile(prof.target, LatencyModel(0.0, draft_per_token, 0.0), prof.switch, prof.meta)
         sim = Simulator(calibrated, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
-                        prefill=prefill, proposal_rate=proposal_rate).run(requests)
+                        prefill=prefill, proposal_rate=proposal_rate, confidence=1.0).run(requests)   # lookup: certain
         real, simulated = run.summary(args.slo_tpot), sim.summary(args.slo_tpot)
         results[name] = {"engine": real, "simulator": simulated, "acceptance": round(alpha, 3),
                          "proposal_rate": round(proposal_rate, 3), "draft_s_per_token": draft_per_token,

@@ -64,9 +64,11 @@ class CachedModel:
         lag = end - self.fed
         width = int(lag.max())
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
-        index = end[:, None] + offsets                                           # [n, width]
-        real = (offsets >= -lag[:, None]) & batch.is_real(rows, index.clamp(min=0))
-        tokens = batch.tokens[rows[:, None], index.clamp(min=0)]
+        index = (end[:, None] + offsets).clamp(min=0)                            # [n, width]
+        real = offsets >= -lag[:, None]
+        if int(end.min()) - width < batch.prompt_len:        # (decoding steps are past every prompt)
+            real &= batch.is_real(rows, index)
+        tokens = batch.tokens[rows[:, None], index]
         self.fed = end.clone()
         return tokens, real
 

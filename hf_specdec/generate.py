@@ -125,10 +125,13 @@ class _Loop:
 
     def context(self, step: int) -> StepContext:
         batch, rows = self.batch, self.batch.active
-        lags = [int(d.runner.lag(batch).max()) for d in self.drafters if isinstance(d, ModelDrafter)]
-        return StepContext(step, len(rows), len(self.drafters), rows.tolist(),
-                           context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()),
-                           max_lag=max(lags, default=0), remaining=int((self.limit[rows] - batch.lengths[rows]).max()))
+        lengths = batch.lengths[rows]
+        # one host sync for every number (a plain step on a small model is ~10 ms: this runs each step)
+        numbers = [(lengths - batch.real_start(rows)).sum(), (self.limit[rows] - lengths).max()]
+        numbers += [d.runner.lag(batch).max() for d in self.drafters if isinstance(d, ModelDrafter)]
+        context_tokens, remaining, *lags = torch.stack(numbers).tolist()
+        return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
+                           max_lag=max(lags, default=0), remaining=remaining)
 
     def step(self, index: int) -> StepRecord:
         batch, rows = self.batch, self.batch.active
@@ -160,23 +163,25 @@ class _Loop:
             draft_probs = proposal.probs[:, :width] if proposal.probs is not None else None
             batch.write(rows, start, draft_tokens)
         else:
-            draft_tokens = torch.zeros(len(rows), 0, dtype=torch.long, device=start.device)
+            draft_tokens = start.new_zeros(len(rows), 0)
             draft_probs, draft_lens, width = None, torch.zeros_like(start), 0
         self._sync()
 
         t1 = time.perf_counter()
         pending, real = self.target.pending(batch)
         spec_start = self.target.num_slots + pending.shape[1]
-        draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
-        logits = self.target.forward(torch.cat([pending, draft_tokens], 1), torch.cat([real, draft_real], 1),
-                                     width + 1)
+        if width:
+            draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
+            pending, real = torch.cat([pending, draft_tokens], 1), torch.cat([real, draft_real], 1)
+        logits = self.target.forward(pending, real, width + 1)
         scores = self.sampler.scores(batch, logits)                       # [n, k+1, vocab]
         result = verify_module.verify(draft_tokens, draft_lens, scores, draft_probs,
                                       self.sampler.do_sample, self.sampler.generator)
         self.target.rollback(spec_start, result.num_accepted)
-        chosen = torch.tensor(choice, device=start.device)
-        for d in drafter_s:
-            self.drafters[d].accepted(torch.where(chosen == d, result.num_accepted, 0))
+        if drafter_s:
+            chosen = torch.tensor(choice, device=start.device)
+            for d in drafter_s:
+                self.drafters[d].accepted(torch.where(chosen == d, result.num_accepted, 0))
         self._sync()
         t2 = time.perf_counter()
 
@@ -246,6 +251,8 @@ class _Loop:
                 hit = self.stopping_criteria(self.batch.tokens[:, :length], None).to(rows.device)[rows[members]]
                 for i, h in zip(members, hit.tolist()):
                     stopped[i] = length if h else -1
+        if max(stopped) < 0:                 # nothing stopped (most steps): nothing to write or cut
+            return emitted
         stopped = torch.tensor(stopped, device=rows.device)
         self.stopped_at[rows] = stopped
         if self.freeze_finished:

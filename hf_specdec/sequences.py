@@ -26,6 +26,7 @@ class SequenceBatch:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.prompt_mask = attention_mask.bool()                       # [batch, prompt_len]
+        self._real_start = prompt_len - self.prompt_mask.sum(1)         # [batch]: first real token
         # rows still decoding (indices into the full batch); models hold caches for these only
         self.active = torch.arange(batch, device=device)               # [n_active]
 
@@ -41,7 +42,7 @@ class SequenceBatch:
 
     def real_start(self, rows: torch.Tensor) -> torch.Tensor:
         """Index of the first non-padding token of each row in `rows`: [n]."""
-        return self.prompt_len - self.prompt_mask[rows].sum(1)
+        return self._real_start[rows]
 
     def write(self, rows: torch.Tensor, start: torch.Tensor, values: torch.Tensor) -> None:
         """tokens[rows[i], start[i] + j] = values[i, j] for all j: [n, w]."""
@@ -69,6 +70,7 @@ class SequenceBatch:
         self.tokens[rows, self.prompt_len - width: self.prompt_len] = input_ids
         self.prompt_mask[rows] = False
         self.prompt_mask[rows, self.prompt_len - width:] = attention_mask.bool()
+        self._real_start[rows] = self.prompt_len - self.prompt_mask[rows].sum(1)
         self.lengths[rows] = self.prompt_len
 
     def output(self) -> torch.LongTensor:

@@ -124,6 +124,14 @@ def test_simulator_rejects_bad_arguments():
         Simulator({}, "fixed:2", acceptance=0.5)
     with pytest.raises(TypeError, match="prefill"):
         Simulator(profile(), "fixed:2", acceptance=0.5, prefill=(0.0, 0.1, 0.0))
+    with pytest.raises(ValueError, match="confidence"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, confidence=-0.1)
+    with pytest.raises(TypeError, match="memory"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, memory=30)
+    with pytest.raises(ValueError, match="MemoryModel.capacity"):
+        MemoryModel(capacity=-1, kv_per_token=1)
+    with pytest.raises(ValueError, match="reload_seconds"):
+        MemoryModel(capacity=10, kv_per_token=1, reload_seconds="fast")
 
 
 def test_poisson_and_phased_streams():

@@ -17,7 +17,7 @@ policies can be compared at request rates and model sizes this machine cannot ru
     match; a step where no row proposes verifies one token per row, as the engine does), accepts
     each with probability `acceptance` until the first rejection, and
     emits accepted + 1 tokens (capped at what it still needs); a policy that reads draft
-    confidences (AdaSpec) sees each draft's confidence = `acceptance` (a calibrated drafter), and
+    confidences (AdaSpec) sees each draft's `confidence` (default: `acceptance`), and
     may stop drafting and drop drafts before verification as in `generate()`; the policy observes a
     `StepRecord` with the simulated times, as it would from `generate()`;
   - with a `MemoryModel`, a request is admitted only when its whole KV reservation (prompt +
@@ -152,10 +152,13 @@ class Simulator:
     a row has drafts at a step; max_batch: most running rows;
     prefill: the LatencyModel of prompt prefills (default: the profile's target model, fitted on
     decode steps; `costmodel.profile_prefill` measures one); memory: a `MemoryModel` (None: memory
-    never limits admission; required by a policy with offload, whose probe and draft it replaces)."""
+    never limits admission; required by a policy with offload, whose probe and draft it replaces);
+    confidence: every draft's confidence, for policies that read it (None: `acceptance`, a
+    calibrated drafter; a lookup drafter reports 1.0)."""
 
     def __init__(self, profile: CostProfile, policy, acceptance: float, max_batch: int = 256, seed: int = 0,
-                 prefill: LatencyModel | None = None, proposal_rate: float = 1.0, memory: MemoryModel | None = None):
+                 prefill: LatencyModel | None = None, proposal_rate: float = 1.0, memory: MemoryModel | None = None,
+                 confidence: float | None = None):
         if not isinstance(profile, CostProfile):
             raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
         if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
@@ -166,6 +169,10 @@ class Simulator:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefill is not None and not isinstance(prefill, LatencyModel):
             raise TypeError(f"prefill must be a LatencyModel or None, got {type(prefill).__name__}")
+        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
+                                       or not 0 <= confidence <= 1):
+            raise ValueError(f"confidence must be a probability in [0, 1] or None, got {confidence!r}")
+        self.confidence = acceptance if confidence is None else confidence
         if memory is not None and not isinstance(memory, MemoryModel):
             raise TypeError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
         self.prefill = prefill or profile.target
@@ -173,8 +180,7 @@ class Simulator:
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
         self.memory = memory
-        # a length policy's drafting hooks see each draft's confidence = `acceptance` (a calibrated
-        # drafter), as `generate()` calls them (only where the policy has them)
+        # the length policy's drafting hooks are called as `generate()` calls them (only if it has them)
         length_type = type(self.policy.length)
         self._controls = length_type.continue_drafting is not LengthPolicy.continue_drafting
         self._trims = length_type.verify_lengths is not LengthPolicy.verify_lengths
@@ -188,7 +194,7 @@ class Simulator:
         confidences = [[] for _ in range(rows)]
         for j in range(1, k):
             for row in confidences:
-                row.append(self.acceptance)
+                row.append(self.confidence)
             if not any(self.policy.length.continue_drafting(confidences)):
                 return j
         return k
@@ -261,7 +267,7 @@ class Simulator:
                 proposed = [drafted if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
                             for _ in running]
                 if self._trims:
-                    wanted = self.policy.length.verify_lengths([[self.acceptance] * p for p in proposed])
+                    wanted = self.policy.length.verify_lengths([[self.confidence] * p for p in proposed])
                     proposed = [min(p, max(0, w)) for p, w in zip(proposed, wanted)]
                 accepted = [min(self._accepted(p), r.request.output_len - r.produced - 1)
                             for p, r in zip(proposed, running)]
