@@ -157,6 +157,7 @@ def run_env(name, args, save=lambda results: None) -> dict:
             stats = getattr(out, "spec_stats", None)
             rows_out[m] = {
                 "tokens_per_s": round(tokens / statistics.median(times[m]), 2),
+                "tokens_per_s_fastest": round(tokens / min(times[m]), 2),
                 "seconds": [round(t, 4) for t in times[m]],
                 "drafting_steps": drafting[m],
                 "identical_to_plain": bool(out.sequences.shape == plain.shape and torch.equal(out.sequences, plain)),
@@ -168,8 +169,12 @@ def run_env(name, args, save=lambda results: None) -> dict:
             r["vs_plain"] = round(r["tokens_per_s"] / plain_tps, 3)
         fixed = {m: rows_out[m]["tokens_per_s"] for m in rows_out if m == "plain" or m.startswith("fixed:")}
         oracle = max(fixed, key=fixed.get)
+        # by each method's fastest run too: on a shared CPU other work only ever adds time, so the
+        # fastest run is the least disturbed one (the same for the oracle: its best fixed k's fastest)
+        best_fastest = max(rows_out[m]["tokens_per_s_fastest"] for m in fixed)
         for r in rows_out.values():
             r["vs_oracle"] = round(r["tokens_per_s"] / fixed[oracle], 3)
+            r["vs_oracle_fastest"] = round(r["tokens_per_s_fastest"] / best_fastest, 3)
         key = "changing" if batch == "changing" else str(batch)
         results["batches"][key] = {"oracle": oracle, "methods": rows_out}
         logger.info("%s batch=%s oracle=%s %s", name, batch, oracle,
@@ -183,7 +188,7 @@ def markdown(all_results: dict, args) -> str:
     for env, res in all_results.items():
         batches = list(res["batches"])
         methods = list(res["batches"][batches[0]]["methods"])
-        lines += [f"## {env}: tokens/s (x oracle = best of plain and fixed k)", "",
+        lines += [f"## {env}: tokens/s (x oracle = best of plain and fixed k: by medians / by fastest runs)", "",
                   "| method | " + " | ".join(f"B={b}" for b in batches) + " |",
                   "|---|" + "---:|" * len(batches)]
         for m in methods:
@@ -191,7 +196,8 @@ def markdown(all_results: dict, args) -> str:
             for b in batches:
                 r = res["batches"][b]["methods"][m]
                 mark = "" if r["identical_to_plain"] else " ≠"
-                cells.append(f"{r['tokens_per_s']:.1f} ({r['vs_oracle']:.2f}){mark}")
+                fastest = f" / {r['vs_oracle_fastest']:.2f}" if "vs_oracle_fastest" in r else ""
+                cells.append(f"{r['tokens_per_s']:.1f} ({r['vs_oracle']:.2f}{fastest}){mark}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("| oracle | " + " | ".join(res["batches"][b]["oracle"] for b in batches) + " |")
         lines.append("")

@@ -19,7 +19,7 @@ from . import verify as verify_module
 from .cached_model import CachedModel
 from .drafters import Drafter, ModelDrafter, Proposal, as_drafter, output_vocab_size
 from .offload import RESIDENT
-from .policies import LengthPolicy, SpecPolicy, StepContext, resolve_policy
+from .policies import SpecPolicy, StepContext, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
 from .sequences import SequenceBatch
@@ -87,10 +87,7 @@ class _Loop:
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-        # call the length policy's drafting hooks only when it has them (they cost a sync per token)
-        length_type = type(policy.length)
-        self._controls = length_type.continue_drafting is not LengthPolicy.continue_drafting
-        self._trims = length_type.verify_lengths is not LengthPolicy.verify_lengths
+        self._controls, self._trims = policy.length.drafting_hooks()
 
     def run(self) -> SpecStats:
         names = [d.name for d in self.drafters]

@@ -57,6 +57,13 @@ class LengthPolicy:
         """How many of each row's drafts to verify (<= len(confidences[b]))."""
         return [len(row) for row in confidences]
 
+    def drafting_hooks(self) -> tuple[bool, bool]:
+        """Whether this policy overrides (continue_drafting, verify_lengths): loops call them only
+        then (reading confidences costs a host sync per draft token)."""
+        kind = type(self)
+        return (kind.continue_drafting is not LengthPolicy.continue_drafting,
+                kind.verify_lengths is not LengthPolicy.verify_lengths)
+
     def observe(self, record: StepRecord) -> None:
         pass
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ..costmodel import CostProfile, LatencyModel
 from ..offload import OFFLOADED, RELOADING, RESIDENT
-from ..policies import LengthPolicy, StepContext, resolve_policy
+from ..policies import StepContext, resolve_policy
 from ..stats import StepRecord
 from .workload import Request
 
@@ -180,10 +180,7 @@ class Simulator:
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
         self.memory = memory
-        # the length policy's drafting hooks are called as `generate()` calls them (only if it has them)
-        length_type = type(self.policy.length)
-        self._controls = length_type.continue_drafting is not LengthPolicy.continue_drafting
-        self._trims = length_type.verify_lengths is not LengthPolicy.verify_lengths
+        self._controls, self._trims = self.policy.length.drafting_hooks()   # called as generate() does
         if self.policy.offload is not None and memory is None:
             raise ValueError("a policy with offload needs memory=MemoryModel(...): offloading acts on memory")
 
@@ -220,20 +217,18 @@ class Simulator:
             offload.hooks, offload.drafters = {0: resident}, []
             offload.probe = lambda: memory.capacity - memory.used([r.request for r in running], resident.state != OFFLOADED)
 
-        def admits(request: Request) -> bool:
-            if len(running) + len(joining) >= self.max_batch:
+        def admits(joining: list[Request]) -> bool:
+            """Can `joining` (this round's, the next candidate last) run beside the running rows?"""
+            if len(running) + len(joining) > self.max_batch:
                 return False
-            if memory is None:
-                return True
-            held = [r.request for r in running] + joining + [request]
-            draft_on = resident.state != OFFLOADED
-            return memory.used(held, draft_on) <= memory.capacity
+            held = [r.request for r in running] + joining
+            return memory is None or memory.used(held, resident.state != OFFLOADED) <= memory.capacity
         self.policy.begin(StepContext(0, 0, 1))
         while waiting or running:
             if not running and waiting[0].arrival > t:
                 t = waiting[0].arrival                      # idle until the next arrival
             joining = []
-            while waiting and waiting[0].arrival <= t and admits(waiting[0]):
+            while waiting and waiting[0].arrival <= t and admits(joining + waiting[:1]):
                 joining.append(waiting.pop(0))
             if joining:                                     # prefill: one target forward, first tokens
                 prompts = sum(r.prompt_len for r in joining)
