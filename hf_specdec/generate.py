@@ -247,7 +247,8 @@ class _Loop:
                 # full batch in original order: criteria may keep per-row state (as processors do)
                 hit = self.stopping_criteria(self.batch.tokens[:, :length], None).to(rows.device)[rows[members]]
                 for i, h in zip(members, hit.tolist()):
-                    stopped[i] = length if h else -1
+                    if h:
+                        stopped[i] = length
         if max(stopped) < 0:                 # nothing stopped (most steps): nothing to write or cut
             return emitted
         stopped = torch.tensor(stopped, device=rows.device)

@@ -245,6 +245,12 @@ class DraftOffload:
                 self.hooks[id(model)] = attach_residency_hook(model)
                 self.models.append(model)
 
+    def attach(self, residency, probe: Callable[[], int]) -> None:
+        """Manage `residency` (what a `DraftResidencyHook` offers: state, nbytes, offload,
+        start_reload, poll) with `probe` for free bytes, instead of hooks on drafter models: the
+        serving simulator's simulated draft and memory."""
+        self.hooks, self.drafters, self.probe = {id(residency): residency}, [], probe
+
     def _free_bytes(self) -> int | None:
         if self.probe is not None:
             return int(self.probe())

@@ -142,6 +142,7 @@ class AdaSpec(LengthPolicy):
         self.probe_every = non_negative_int(probe_every, "AdaSpec(probe_every)") or 1
         self.idle = 0                                            # steps since the last drafting step
         self.probing = False                                     # this step drafts to measure
+        self.guess = prior_confidence                            # this step's mean_acceptance()
         self.probe_gap = self.probe_every                        # idle steps before the next probe
         self.ctx: StepContext | None = None
         self.verified: list[list[float]] | None = None          # this step's confidences, for observe
@@ -152,7 +153,8 @@ class AdaSpec(LengthPolicy):
             ar = _cumulative([acceptance] * drafts)
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
         plain = goodput(0, 1.0)
-        if goodput(1, self.mean_acceptance()) > plain:
+        self.guess = self.mean_acceptance()      # fixed within the step: calibration learns in observe
+        if goodput(1, self.guess) > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
         # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
@@ -184,7 +186,7 @@ class AdaSpec(LengthPolicy):
         ar = self._ar(confidences)
         drafted = len(confidences[0])
         now = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)
-        guess = [row + [row[-1] * self.mean_acceptance()] for row in ar]
+        guess = [row + [row[-1] * self.guess] for row in ar]
         more = self.model.goodput(self.ctx.batch_size, self.ctx.context_tokens, drafted + 1, guess) > now
         return [more] * len(confidences)
 

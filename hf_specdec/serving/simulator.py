@@ -91,6 +91,11 @@ class RunResult:
         return out
 
 
+def _check_probability(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+
+
 @dataclass
 class MemoryModel:
     """Accelerator bytes left beside the target's weights and activations, and what uses them."""
@@ -161,17 +166,14 @@ class Simulator:
                  confidence: float | None = None):
         if not isinstance(profile, CostProfile):
             raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
-        if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance <= 1:
-            raise ValueError(f"acceptance must be a probability in [0, 1], got {acceptance!r}")
-        if isinstance(proposal_rate, bool) or not isinstance(proposal_rate, (int, float)) or not 0 <= proposal_rate <= 1:
-            raise ValueError(f"proposal_rate must be a probability in [0, 1], got {proposal_rate!r}")
+        _check_probability(acceptance, "acceptance")
+        _check_probability(proposal_rate, "proposal_rate")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefill is not None and not isinstance(prefill, LatencyModel):
             raise TypeError(f"prefill must be a LatencyModel or None, got {type(prefill).__name__}")
-        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
-                                       or not 0 <= confidence <= 1):
-            raise ValueError(f"confidence must be a probability in [0, 1] or None, got {confidence!r}")
+        if confidence is not None:
+            _check_probability(confidence, "confidence")
         self.confidence = acceptance if confidence is None else confidence
         if memory is not None and not isinstance(memory, MemoryModel):
             raise TypeError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
@@ -214,8 +216,8 @@ class Simulator:
             if too_big:
                 raise ValueError(f"requests {too_big[:5]} alone, with the draft, need more than MemoryModel.capacity")
         if offload is not None:          # the real manager, on the simulated memory and draft
-            offload.hooks, offload.drafters = {0: resident}, []
-            offload.probe = lambda: memory.capacity - memory.used([r.request for r in running], resident.state != OFFLOADED)
+            offload.attach(resident, lambda: memory.capacity - memory.used([r.request for r in running],
+                                                                           resident.state != OFFLOADED))
 
         def admits(joining: list[Request]) -> bool:
             """Can `joining` (this round's, the next candidate last) run beside the running rows?"""
