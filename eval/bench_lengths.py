@@ -6,14 +6,15 @@ heuristic and confidence schedules, DSD goodput, AdaSpec and Nightjar.
 
 Environments (greedy; every output is checked against plain generate()):
   tiny-exact      8-layer Llama with zeroed upper layers + its exact 1-layer draft (cheap, perfect)
+  tiny-partial    the same with upper layers at 5% strength: the 1-layer draft agrees ~74% of the time
   tiny-useless    the same target with an unrelated random 1-layer draft (nothing pays)
   smollm2-<bf16|int8|pld>  the embedded SmolLM2-135M-Instruct on HumanEval prompts with that drafter
 Each environment is profiled first (`hf_specdec.costmodel.profile`, the `python -m hf_specdec
 profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy objects live for the
 whole environment, so Nightjar learns per batch size across runs, as a server would; before the
 timed runs of a batch size, the learning policies get --learn-runs untimed runs of it. Besides the
-fixed batch sizes, a "changing" run starts 16 rows whose output budgets range from 4 tokens to
---max-new-tokens, so the batch shrinks as rows finish.
+fixed batch sizes, a "changing" run starts --changing-rows rows whose output budgets range from 4
+tokens to --max-new-tokens, so the batch shrinks as rows finish.
 Writes <out>.json, <out>.md (tokens/s per method and batch size, the oracle = best fixed k) and
 <out>.png (k chosen over time in the changing run).
 """
@@ -32,7 +33,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, profile
-from hf_specdec.testing import build, exact_cheap_pair
+from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems  # eval/ is on sys.path when run as a script
 
 logger = logging.getLogger("bench_lengths")
@@ -51,13 +52,14 @@ class RowBudget(StoppingCriteria):
         return (input_ids.shape[1] - self.prompt_len) >= self.budget.to(input_ids.device)
 
 
-def tiny_env(useless: bool):
-    target, draft = exact_cheap_pair()
-    if useless:
+def tiny_env(kind: str):
+    # partial: the draft skips 7 layers that write 5% of their output: ~74% of drafts agree
+    target, draft = layer_skip_pair({"exact": 0.0, "partial": 0.05, "useless": 0.0}[kind])
+    if kind == "useless":
         draft = build("llama", 1, seed=99, vocab=target.config.vocab_size, hidden=384, init=0.05)
     target.generation_config.eos_token_id = target.generation_config.pad_token_id = 0
-    ids = torch.randint(3, target.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(0))
-    return target, hf_specdec.ModelDrafter(draft, name="useless" if useless else "exact-1layer"), \
+    ids = torch.randint(3, target.config.vocab_size, (64, 32), generator=torch.Generator().manual_seed(0))
+    return target, hf_specdec.ModelDrafter(draft, name=f"{kind}-1layer"), \
         lambda b: {"input_ids": ids[:b], "attention_mask": torch.ones_like(ids[:b])}
 
 
@@ -68,14 +70,15 @@ def smollm2_env(kind: str):
     if not _SMOLLM2:
         from hf_specdec.embedded import load_smollm2
         model, tokenizer = load_smollm2()
-        prompts = [p["prompt"] for p in load_problems(limit=16)]
+        prompts = [p["prompt"] for p in load_problems(limit=64)]
         _SMOLLM2.update(model=model, inputs=lambda b: dict(tokenizer(prompts[:b], return_tensors="pt", padding=True)))
     model = _SMOLLM2["model"]
     drafter = hf_specdec.PromptLookupDrafter() if kind == "pld" else hf_specdec.self_draft(model, kind)
     return model, drafter, _SMOLLM2["inputs"]
 
 
-ENVS = {"tiny-exact": lambda: tiny_env(False), "tiny-useless": lambda: tiny_env(True),
+ENVS = {"tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
+        "tiny-useless": lambda: tiny_env("useless"),
         "smollm2-bf16": lambda: smollm2_env("bf16"), "smollm2-int8": lambda: smollm2_env("int8"),
         "smollm2-pld": lambda: smollm2_env("pld")}
 
@@ -124,16 +127,17 @@ def run_env(name, args, save=lambda results: None) -> dict:
     hf_specdec.enable(model)
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    prof = env_profile(model, drafter, args.batch_sizes, make_inputs(1)["input_ids"].shape[1])
+    changing = [("changing", args.changing_rows)] if args.changing_rows else []
+    prof = env_profile(model, drafter, sorted({*args.batch_sizes, *(rows for _, rows in changing)}),
+                       make_inputs(1)["input_ids"].shape[1])
     methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
     results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}}
-    cases = [(b, None) for b in args.batch_sizes] + ([("changing", 16)] if args.changing else [])
-    for batch, rows in cases:
-        inputs = make_inputs(rows or batch)
+    for batch, rows in [(b, b) for b in args.batch_sizes] + changing:
+        inputs = make_inputs(rows)
         prompt_len = inputs["input_ids"].shape[1]
         criteria = None
         if batch == "changing":
-            budget = [round(4 + (args.max_new_tokens - 4) * i / 15) for i in range(16)]
+            budget = [round(4 + (args.max_new_tokens - 4) * i / max(rows - 1, 1)) for i in range(rows)]
             criteria = RowBudget(prompt_len, budget)
         run(model, drafter, None, inputs, argparse.Namespace(max_new_tokens=2), None)          # warm-up
         for _ in range(args.learn_runs):          # learning policies see this batch size first, untimed
@@ -251,8 +255,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--learn-runs", type=int, default=2,
                         help="untimed runs of the learning policies per batch size before timing (0: none)")
-    parser.add_argument("--no-changing", dest="changing", action="store_false",
-                        help="skip the run whose batch shrinks as rows finish")
+    parser.add_argument("--changing-rows", type=int, default=16,
+                        help="rows of the run whose batch shrinks as rows finish (0: skip it; tiny envs: up to 64)")
     parser.add_argument("--out", default="results/bench_lengths")
     parser.add_argument("--methods", default=None, help="comma-separated subset (default: all; plain is always run)")
     args = parse_env_args(parser, argv, ENVS)

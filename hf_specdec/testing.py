@@ -71,11 +71,18 @@ def exact_cheap_pair(layers: int = 8, hidden: int = 384, vocab: int = 2048, seed
 
     The draft computes *exactly* the target's function at a fraction of its cost: a perfect,
     cheap drafter whose speedup is real even on a CPU."""
+    return layer_skip_pair(0.0, layers, hidden, vocab, seed)
+
+
+def layer_skip_pair(upper_scale: float, layers: int = 8, hidden: int = 384, vocab: int = 2048, seed: int = 0):
+    """(target, draft): a `layers`-deep Llama whose layers 2.. write `upper_scale` times their usual
+    output into the residual stream (o_proj, down_proj scaled), and a 1-layer draft that skips them.
+    0 gives an exact drafter; at 384 wide, 0.05 makes ~74% of greedy drafts agree, 0.1 ~55%."""
     target = build("llama", layers=layers, seed=seed, vocab=vocab, hidden=hidden, init=0.05)
     with torch.no_grad():
         for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            layer.self_attn.o_proj.weight.mul_(upper_scale)
+            layer.mlp.down_proj.weight.mul_(upper_scale)
     draft = build("llama", layers=1, seed=seed, vocab=vocab, hidden=hidden, init=0.05)
     own = draft.state_dict()
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in own})

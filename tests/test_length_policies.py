@@ -217,17 +217,16 @@ def test_profile_json_round_trip_and_malformed_files(tmp_path):
         CostProfile.load(tmp_path / "missing.json")
 
 
-def drafted_length(policy, batch, confidence, max_len):
-    """Feed constant confidences until the policy stops drafting; returns the number drafted."""
+def drafted_length(policy, batch, confidence, max_len, confidences=None):
+    """Feed constant confidences (or confidences(j) for j drafted) until the policy stops drafting;
+    returns the number drafted."""
     ctx = StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch)
     if policy.choose(ctx) == 0:
         return 0
-    confidences = [[] for _ in range(batch)]
-    for j in range(max_len):
-        for row in confidences:
-            row.append(confidence)
-        if j == max_len - 1 or not any(policy.continue_drafting(confidences)):
-            return j + 1
+    confidences = confidences or (lambda j: [[confidence] * j for _ in range(batch)])
+    for j in range(1, max_len + 1):
+        if j == max_len or not any(policy.continue_drafting(confidences(j))):
+            return j
 
 
 @pytest.mark.parametrize("batch,confidence", [(1, 0.9), (1, 0.6), (4, 0.8), (16, 0.7)])
@@ -261,6 +260,40 @@ def test_adaspec_verifies_fewer_tokens_of_unsure_rows():
     policy.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128))
     lengths = policy.verify_lengths([[0.95] * 6, [0.3] * 6])
     assert lengths[0] > lengths[1] and lengths[1] <= 2
+
+
+@pytest.mark.parametrize("slo", [None, 0.0125])
+def test_adaspec_verification_is_the_best_of_every_per_row_choice(slo):
+    """The closed-form trimming against brute force over every combination of per-row prefixes."""
+    import itertools
+    rng = random.Random(0)
+    for trial in range(30):
+        policy = hf_specdec.AdaSpec(toy_profile(), max_len=4, calibrate=False, slo_tpot=slo)
+        batch = rng.choice([1, 2, 3])
+        policy.choose(StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch))
+        confidences = [[rng.random() ** 0.3 for _ in range(4)] for _ in range(batch)]
+        ar = policy._ar(confidences)
+        lengths = policy.verify_lengths(confidences)
+
+        def goodput(choice):
+            return policy.model.goodput(batch, 64 * batch, 4, [row[:n] for row, n in zip(ar, choice)])
+        best = max(goodput(c) for c in itertools.product(range(5), repeat=batch))
+        assert goodput(lengths) == pytest.approx(best), (trial, lengths, confidences)
+
+
+def test_adaspec_drafts_for_its_sure_rows_when_the_unsure_ones_will_be_trimmed():
+    """One sure row among three unsure ones: their drafts will not be verified, so drafting goes on
+    as long as the sure row's next token pays its draft forward, to the length that maximises the
+    step's trimmed goodput (5). Judged by verifying every row's drafts, it stopped at 1."""
+    policy = hf_specdec.AdaSpec(toy_profile(0.05), max_len=8, calibrate=False, prior_confidence=0.95)
+
+    def confidences(j):
+        return [[0.95] * j] + [[0.1] * j] * 3
+
+    def trimmed_goodput(j):
+        return policy.model.best_verification(4, 64 * 4, j, policy._ar(confidences(j)))[1]
+    best = max(range(1, 9), key=trimmed_goodput)
+    assert drafted_length(policy, 4, None, 8, confidences) == best > 1
 
 
 def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
