@@ -16,7 +16,9 @@ Ours, beyond the paper. Statistics leave out the steps that prefill a call's pro
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
 `prune=True`: exploration and exploitation skip arms that, with high confidence, lose to another
-arm (successive elimination), and a bin whose k becomes such an arm ends early: an arm k > 0 whose
+arm (successive elimination), a bin whose k becomes such an arm ends early, and an exploring bin
+takes the arm with the least optimistic latency (optimism, as in UCB) rather than a uniform one:
+near-tie arms then stop costing a bin at every turn once their bounds say they lose. An arm k > 0 whose
 optimistic latency per token exceeds the least pessimistic one of any tried arm (mean step seconds
 per row over a lower confidence bound on its tokens per row-step; plain decoding's tokens are
 certain) is left out until the bounds move. Arm k's optimistic latency per token is a lower
@@ -157,7 +159,7 @@ class Nightjar(LengthPolicy):
             cost = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.previous_k == 0 else 0.0
             arms = self._arms(state, ctx, cost)
             if self.rng.random() < 1.0 / state.bin:
-                state.locked = self.rng.choice(arms)
+                state.locked = self._explore(state, arms)
             else:
                 state.locked = self._exploit(state, arms, cost / ctx.batch_size)
         k = state.locked
@@ -195,6 +197,15 @@ class Nightjar(LengthPolicy):
                 u = min(u, self.passed[j] / self.judged[j] + _radius(self.judged[j]))
             out.append(out[-1] + u)
         return out
+
+    def _explore(self, state: _BatchState, arms: list[int]) -> int:
+        """Uniform (the paper), or (prune) optimistic: the arm with the least optimistic latency per
+        token, so exploration goes to arms that could still be the best rather than equally to all
+        arms not yet ruled out (a near-tie arm no longer costs a bin every time its turn comes)."""
+        if not self.prune:
+            return self.rng.choice(arms)
+        ub = self._accepted_ub()
+        return min(arms, key=lambda k: (state.best_case(k, ub), self.rng.random()))
 
     def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float) -> int:
         """argmin_k latency(k) + the switching cost per row over the k tokens it buys (k > 0)."""
