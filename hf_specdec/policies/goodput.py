@@ -91,13 +91,13 @@ class _GoodputModel:
         if self.slo_tpot is not None and base > self.slo_tpot:
             return [0] * batch, -1.0
         lengths, gained, kept = [0] * batch, 0.0, 0
-        for a, _, b in sorted((-a, j, b) for b, row in enumerate(ar) for j, a in enumerate(row)):
-            a = -a
-            seconds = base + per_token * (kept + 1)
-            if a * (base + per_token * kept) <= per_token * (batch + gained) or \
-                    (self.slo_tpot is not None and seconds > self.slo_tpot):
+        for minus_a, _, b in sorted((-a, j, b) for b, row in enumerate(ar) for j, a in enumerate(row)):
+            seconds = base + per_token * kept
+            if -minus_a * seconds <= per_token * (batch + gained):      # a <= g x goodput
                 break
-            lengths[b], gained, kept = lengths[b] + 1, gained + a, kept + 1
+            if self.slo_tpot is not None and seconds + per_token > self.slo_tpot:
+                break
+            lengths[b], gained, kept = lengths[b] + 1, gained - minus_a, kept + 1
         return lengths, (batch + gained) / (base + per_token * kept)
 
 

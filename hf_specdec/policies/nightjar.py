@@ -3,12 +3,17 @@
 Time per batch size B is cut into blocks j of H = 2^(j-1) steps and bins of sqrt(H) steps. At a
 bin's start the bin explores (k uniform) with probability 1/b (b = the bin's index in its block,
 so every block starts exploring), else exploits
-    argmin_k  latency_per_token(B, k) + 1[previous k = 0 and k > 0] * C_switch(L_max, B) / (B k),
+    argmin_k  latency_per_token(B, k) + 1[previous k = 0 and k > 0] * C_switch(L_max, B) / (B n),
 and k stays locked for the bin. latency_per_token is step time / emitted tokens over all steps
 with that k (a ratio of sums: the throughput the arm delivered); C_switch is the time the draft
 model needs to catch up the L_max tokens it missed while speculation was off. The paper's
 C_switch / k spreads it over one row's k tokens; our latency is per token of the whole batch, so
-the switching step's B rows share it (else a batch of 48 would almost never switch back on).
+the switching step's B rows share it (else a batch of 48 would almost never switch back on), and
+n is what a switch buys: the tokens a row may still emit in the call (StepContext.remaining, which
+generate() knows from max_new_tokens), else (the paper) the step's k. Charged to one step's k
+tokens a switch hardly ever pays, so k = 0, where every call starts (its first drafts prefill its
+prompt), would be left only by exploring bins. A switching step's modelled catch-up is left out
+of its arm's statistics: it is charged here, and counted twice a call would never switch on.
 Each batch size (by default, each power-of-two bucket of them) keeps its own statistics, so when
 load drops back to a small batch its (positive) k is found again: no decision deadlock.
 
@@ -128,6 +133,7 @@ class Nightjar(LengthPolicy):
         self.previous_k = None
         self.drafted = False        # has this call drafted yet?
         self.switched = False
+        self.catch_up = 0.0         # the modelled C_switch of this step's switch, if it switches on
         self.measured = False       # does this step's time belong to its arm (not a prompt prefill)?
 
     def begin(self, ctx: StepContext) -> None:
@@ -161,7 +167,7 @@ class Nightjar(LengthPolicy):
             if self.rng.random() < 1.0 / state.bin:
                 state.locked = self._explore(state, arms)
             else:
-                state.locked = self._exploit(state, arms, cost / ctx.batch_size)
+                state.locked = self._exploit(state, arms, cost / ctx.batch_size, ctx.remaining)
         k = state.locked
         state.round += 1
         if state.round > math.sqrt(state.horizon):
@@ -169,6 +175,7 @@ class Nightjar(LengthPolicy):
         self.measured = ctx.step > 0 and (k == 0 or self.drafted)
         self.drafted |= k > 0
         self.switched = self.previous_k == 0 and k > 0   # its draft time holds a catch-up
+        self.catch_up = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.switched else 0.0
         self.previous_k = k
         return k
 
@@ -183,9 +190,9 @@ class Nightjar(LengthPolicy):
         tried = [k for k in arms if state.tokens[k]]
         if not self.prune or not tried:
             return arms
-        bar = min(state.worst_case(k) for k in tried)
-        ub = self._accepted_ub()
         switch = switch_cost / (ctx.batch_size * ctx.remaining) if ctx.remaining > 0 else 0.0
+        bar = min(state.worst_case(k) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
+        ub = self._accepted_ub()
         return [0] + [k for k in arms[1:] if state.best_case(k, ub) + switch <= bar]
 
     def _accepted_ub(self) -> list[float]:
@@ -207,8 +214,9 @@ class Nightjar(LengthPolicy):
         ub = self._accepted_ub()
         return min(arms, key=lambda k: (state.best_case(k, ub), self.rng.random()))
 
-    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float) -> int:
-        """argmin_k latency(k) + the switching cost per row over the k tokens it buys (k > 0)."""
+    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, remaining: int) -> int:
+        """argmin_k latency(k) + the switching cost per row over the tokens it buys (k > 0): the
+        rest of the call (`remaining` tokens) where known, else (the paper) the step's k."""
         untried = [k for k in arms if not state.tokens[k]]
         if untried:
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
@@ -216,7 +224,7 @@ class Nightjar(LengthPolicy):
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
         best, best_value = 0, math.inf
         for k in arms:
-            value = state.latency(k) + (cost_per_row / k if k > 0 else 0.0)
+            value = state.latency(k) + (cost_per_row / (remaining or k) if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
         return best
@@ -232,7 +240,11 @@ class Nightjar(LengthPolicy):
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
             return
-        k, seconds, rows = record.k, record.draft_s + record.verify_s, record.batch_size
+        # a switching step's catch-up is charged when switching is chosen (C_switch), so the arm's
+        # statistics leave out its modelled time: counted in both, a k explored from 0 would look
+        # dearer by C_switch spread over one bin, and a call would rarely switch on
+        k, rows = record.k, record.batch_size
+        seconds = max(record.draft_s - self.catch_up, 0.0) + record.verify_s
         if not self.switched:
             # a step over 3x the arm's fastest is a stall of the machine (another process, a page
             # fault), not the arm's cost: counted at that cap, so one stall cannot bury an arm
