@@ -12,8 +12,7 @@ the switching step's B rows share it (else a batch of 48 would almost never swit
 n is what a switch buys: the tokens a row may still emit in the call (StepContext.remaining, which
 generate() knows from max_new_tokens), else (the paper) the step's k. Charged to one step's k
 tokens a switch hardly ever pays, so k = 0, where every call starts (its first drafts prefill its
-prompt), would be left only by exploring bins. A switching step's modelled catch-up is left out
-of its arm's statistics: it is charged here, and counted twice a call would never switch on.
+prompt), would be left only by exploring bins.
 Each batch size (by default, each power-of-two bucket of them) keeps its own statistics, so when
 load drops back to a small batch its (positive) k is found again: no decision deadlock.
 
@@ -133,7 +132,6 @@ class Nightjar(LengthPolicy):
         self.previous_k = None
         self.drafted = False        # has this call drafted yet?
         self.switched = False
-        self.catch_up = 0.0         # the modelled C_switch of this step's switch, if it switches on
         self.measured = False       # does this step's time belong to its arm (not a prompt prefill)?
 
     def begin(self, ctx: StepContext) -> None:
@@ -175,7 +173,6 @@ class Nightjar(LengthPolicy):
         self.measured = ctx.step > 0 and (k == 0 or self.drafted)
         self.drafted |= k > 0
         self.switched = self.previous_k == 0 and k > 0   # its draft time holds a catch-up
-        self.catch_up = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.switched else 0.0
         self.previous_k = k
         return k
 
@@ -240,11 +237,7 @@ class Nightjar(LengthPolicy):
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
             return
-        # a switching step's catch-up is charged when switching is chosen (C_switch), so the arm's
-        # statistics leave out its modelled time: counted in both, a k explored from 0 would look
-        # dearer by C_switch spread over one bin, and a call would rarely switch on
-        k, rows = record.k, record.batch_size
-        seconds = max(record.draft_s - self.catch_up, 0.0) + record.verify_s
+        k, seconds, rows = record.k, record.draft_s + record.verify_s, record.batch_size
         if not self.switched:
             # a step over 3x the arm's fastest is a stall of the machine (another process, a page
             # fault), not the arm's cost: counted at that cap, so one stall cannot bury an arm
