@@ -320,6 +320,19 @@ def test_adaspec_drafts_for_its_sure_rows_when_the_unsure_ones_will_be_trimmed()
     assert drafted_length(policy, 4, None, 8, confidences) == best > 1
 
 
+def test_adaspec_drafts_when_a_longer_draft_pays_though_one_does_not():
+    """Drafting steps measured 80% slower than modelled (the loop's own overhead), plain ones as
+    modelled: one draft then loses to plain decoding while longer ones win, and AdaSpec must draft."""
+    policy = hf_specdec.AdaSpec(toy_profile(0.05), max_len=6, calibrate=False, prior_confidence=0.9)
+    policy.model.scale = {(1, True): (1.8, 10), (1, False): (1.0, 10)}
+    ctx = StepContext(5, 1, 1, [0], context_tokens=64)
+
+    def goodput(j):
+        return policy.model.goodput(1, 64, j, [[0.9 ** i for i in range(1, j + 1)]])
+    assert goodput(1) < goodput(0) < max(goodput(j) for j in range(2, 7))
+    assert policy.choose(ctx) > 0
+
+
 def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
     """A drafter that always agrees with the target but with flat distributions (confidence 0.2):
     the paper's model would stop drafting at once; the calibrated one learns to draft long."""

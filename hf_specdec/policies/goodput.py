@@ -174,7 +174,9 @@ class AdaSpec(LengthPolicy):
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
         plain = goodput(0, 1.0)
         self.guess = self.mean_acceptance()      # fixed within the step: calibration learns in observe
-        if goodput(1, self.guess) > plain:
+        # draft if any length beats plain decoding, not only one draft: a drafting step's measured
+        # overhead (its own correction ratio) can make one draft lose where two or three win
+        if max(goodput(j, self.guess) for j in range(1, self.max_len + 1)) > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
         # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
