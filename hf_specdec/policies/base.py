@@ -13,6 +13,13 @@ def non_negative_int(value, where: str) -> int:
     return value
 
 
+def probability(value, where: str) -> float:
+    """`value` if it is a number in [0, 1] (bools refused), else a ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{where} must be a probability in [0, 1], got {value!r}")
+    return value
+
+
 def pow2_bucket(batch_size: int) -> int:
     """The power of two at or above `batch_size`: batch sizes that share what a policy learns."""
     return 1 << max(batch_size - 1, 0).bit_length()

@@ -172,11 +172,13 @@ class AdaSpec(LengthPolicy):
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
+        def best_drafting(acceptance: float) -> float:
+            # any length, not only one draft: a drafting step's measured overhead (its own
+            # correction ratio) can make one draft lose where two or three win
+            return max(goodput(j, acceptance) for j in range(1, self.max_len + 1))
         plain = goodput(0, 1.0)
         self.guess = self.mean_acceptance()      # fixed within the step: calibration learns in observe
-        # draft if any length beats plain decoding, not only one draft: a drafting step's measured
-        # overhead (its own correction ratio) can make one draft lose where two or three win
-        if max(goodput(j, self.guess) for j in range(1, self.max_len + 1)) > plain:
+        if best_drafting(self.guess) > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
         # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
@@ -185,7 +187,7 @@ class AdaSpec(LengthPolicy):
         # never pays at this load and probing would only slow it down. Each probe costs a draft
         # catch-up and a wider verification, so while probes keep confirming 0 they grow rarer.
         self.idle += 1
-        if self.idle >= self.probe_gap and max(goodput(j, 1.0) for j in range(1, self.max_len + 1)) > plain:
+        if self.idle >= self.probe_gap and best_drafting(1.0) > plain:
             self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
             self.probing = True
             return self.max_len

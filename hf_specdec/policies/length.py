@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..stats import StepRecord
-from .base import LengthPolicy, StepContext, non_negative_int
+from .base import LengthPolicy, StepContext, non_negative_int, probability
 
 
 class FixedLength(LengthPolicy):
@@ -46,8 +46,7 @@ class ConfidenceThreshold(LengthPolicy):
     after a token whose draft probability is below `threshold`; at most `max_len` tokens."""
 
     def __init__(self, threshold: float = 0.4, max_len: int = 20):
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
-            raise ValueError(f"ConfidenceThreshold(threshold) must be in [0, 1], got {threshold!r}")
+        probability(threshold, "ConfidenceThreshold(threshold)")
         if non_negative_int(max_len, "ConfidenceThreshold(max_len)") < 1:
             raise ValueError(f"ConfidenceThreshold(max_len) must be >= 1, got {max_len}")
         self.threshold, self.max_len = threshold, max_len

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from ..costmodel import CostProfile, LatencyModel
 from ..offload import OFFLOADED, RELOADING, RESIDENT
 from ..policies import StepContext, resolve_policy
+from ..policies.base import probability
 from ..stats import StepRecord
 from .workload import Request
 
@@ -89,11 +90,6 @@ class RunResult:
         if slo_tpot is not None:
             out["slo_attainment"] = sum(r.tpot <= slo_tpot for r in done) / len(done)
         return out
-
-
-def _check_probability(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
 
 
 @dataclass
@@ -166,14 +162,14 @@ class Simulator:
                  confidence: float | None = None):
         if not isinstance(profile, CostProfile):
             raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
-        _check_probability(acceptance, "acceptance")
-        _check_probability(proposal_rate, "proposal_rate")
+        probability(acceptance, "acceptance")
+        probability(proposal_rate, "proposal_rate")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefill is not None and not isinstance(prefill, LatencyModel):
             raise TypeError(f"prefill must be a LatencyModel or None, got {type(prefill).__name__}")
         if confidence is not None:
-            _check_probability(confidence, "confidence")
+            probability(confidence, "confidence")
         self.confidence = acceptance if confidence is None else confidence
         if memory is not None and not isinstance(memory, MemoryModel):
             raise TypeError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
