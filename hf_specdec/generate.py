@@ -13,6 +13,7 @@ import time
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from . import _compat
 from . import verify as verify_module
@@ -88,6 +89,13 @@ class _Loop:
         self.streamed = batch.prompt_len
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
         self._controls, self._trims = policy.length.drafting_hooks()
+        # only generate()'s own criteria: judged in one pass (`_plain_stops`)
+        self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+        if self._plain_criteria:
+            eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
+            self._eos = torch.cat(eos) if eos else None
+            self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria),
+                                   default=batch.tokens.shape[1] + 1)
 
     def run(self) -> SpecStats:
         names = [d.name for d in self.drafters]
@@ -131,6 +139,7 @@ class _Loop:
                            max_lag=max(lags, default=0), remaining=remaining)
 
     def step(self, index: int) -> StepRecord:
+        begin = time.perf_counter()
         batch, rows = self.batch, self.batch.active
         ctx = self.context(index)
         decision = self.policy.choose(ctx)
@@ -189,6 +198,7 @@ class _Loop:
                             emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s,
                             step=index, lag=ctx.max_lag)
         keep = self.retire_finished()
+        record.overhead_s = time.perf_counter() - begin - (t2 - t0)
         resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
         if len(batch.active) and resident and self.policy.wants_feedback(index):
             self.feedback(record, start[keep], scores[keep])
@@ -236,7 +246,30 @@ class _Loop:
         """Check the stopping criteria after each new token, as generate() does per step; returns
         the number of new tokens each row keeps [n]."""
         rows = self.batch.active
-        # grouped in Python: one criteria call per distinct prefix length, few tensor ops per step
+        if self._plain_criteria:
+            stopped = self._plain_stops(start, emitted)
+            if stopped is None:
+                return emitted
+        else:
+            stopped = self._stops_by_call(start, emitted)
+            if max(stopped) < 0:             # nothing stopped (most steps): nothing to write or cut
+                return emitted
+            stopped = torch.tensor(stopped, device=rows.device)
+        self.stopped_at[rows] = stopped
+        if self.freeze_finished:
+            emitted = torch.where(stopped >= 0, stopped - start, emitted)
+        elif bool((self.stopped_at >= 0).all()):
+            # every row has stopped: all rows end at the latest stop, like generate()'s last step
+            # (rows already retired at max_length included)
+            self.limit[:] = int(self.stopped_at.max())
+            self.batch.lengths.clamp_(max=int(self.limit[0]))
+            emitted = torch.minimum(emitted, self.limit[rows] - start)
+        return emitted
+
+    def _stops_by_call(self, start: torch.Tensor, emitted: torch.Tensor) -> list[int]:
+        """Any criteria: one call per distinct prefix length, grouped in Python. Returns per active
+        row the length at which it stopped, -1 if it did not."""
+        rows = self.batch.active
         starts, counts, stopped = start.tolist(), emitted.tolist(), self.stopped_at[rows].tolist()
         for j in range(1, max(counts) + 1):
             groups: dict[int, list[int]] = {}
@@ -249,19 +282,23 @@ class _Loop:
                 for i, h in zip(members, hit.tolist()):
                     if h:
                         stopped[i] = length
-        if max(stopped) < 0:                 # nothing stopped (most steps): nothing to write or cut
-            return emitted
-        stopped = torch.tensor(stopped, device=rows.device)
-        self.stopped_at[rows] = stopped
-        if self.freeze_finished:
-            emitted = torch.where(stopped >= 0, stopped - start, emitted)
-        elif bool((self.stopped_at >= 0).all()):
-            # every row has stopped: all rows end at the latest stop, like generate()'s last step
-            # (rows already retired at max_length included)
-            self.limit[:] = int(self.stopped_at.max())
-            self.batch.lengths.clamp_(max=int(self.limit[0]))
-            emitted = torch.minimum(emitted, self.limit[rows] - start)
-        return emitted
+        return stopped
+
+    def _plain_stops(self, start: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor | None:
+        """generate()'s own criteria (max length, EOS) judged for every new token at once, as the
+        calls above would (they see only the length and the last token): a step that emits k + 1
+        tokens per row at different lengths would otherwise cost up to (k + 1) x rows criteria calls.
+        None if no row stopped (active rows never had: a stop here retires its row)."""
+        rows, tokens = self.batch.active, self.batch.tokens
+        offsets = torch.arange(int(emitted.max()), device=start.device)
+        positions = (start[:, None] + offsets).clamp_(max=tokens.shape[1] - 1)   # [n, j]: the j-th new token
+        hit = positions + 1 >= self._max_length
+        if self._eos is not None:
+            hit |= torch.isin(tokens[rows].gather(1, positions), self._eos)
+        hit &= offsets < emitted[:, None]
+        if not bool(hit.any()):
+            return None
+        return torch.where(hit.any(1), start + hit.int().argmax(1) + 1, -1)
 
     def retire_finished(self) -> torch.Tensor:
         """Drop rows that are done; returns the kept rows' indices into the previous active rows."""

@@ -25,6 +25,15 @@ class StepRecord:
     replay_s: dict[int, float] = field(default_factory=dict)   # scoring time per drafter
     step: int = -1             # index within the call; step 0 also prefills the prompt
     lag: int = 0               # tokens the drafters had to catch up before drafting (StepContext.max_lag)
+    # wall time of the step's bookkeeping around drafting and verification (the decision, stopping
+    # criteria per emitted token, retiring rows): it grows with the tokens a step emits, so a
+    # policy comparing k must pay it too
+    overhead_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The step's wall time, as a policy should weigh it (selector feedback scoring excluded)."""
+        return self.draft_s + self.verify_s + self.overhead_s
 
 
 @dataclass
@@ -75,6 +84,10 @@ class SpecStats:
     def verify_seconds(self) -> float:
         return sum(s.verify_s for s in self.steps)
 
+    @property
+    def overhead_seconds(self) -> float:
+        return sum(s.overhead_s for s in self.steps)
+
     def summary(self) -> dict:
         return {
             "target_forwards": self.target_forwards,
@@ -83,6 +96,7 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
+            "overhead_seconds": round(self.overhead_seconds, 4),
             "scoring_seconds": round(self.scoring_seconds, 4),
             "drafter_row_steps": self.drafter_row_steps(),
         }

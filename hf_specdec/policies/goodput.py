@@ -69,7 +69,7 @@ class _GoodputModel:
             return
         key = (pow2_bucket(record.batch_size), drafted > 0)
         ratio, n = self.scale.get(key, (1.0, 0))
-        measured = (record.draft_s + record.verify_s) / modelled
+        measured = record.seconds / modelled
         weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
         self.scale[key] = (ratio + weight * (measured - ratio), n + 1)
 

@@ -237,7 +237,7 @@ class Nightjar(LengthPolicy):
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
             return
-        k, seconds, rows = record.k, record.draft_s + record.verify_s, record.batch_size
+        k, seconds, rows = record.k, record.seconds, record.batch_size
         if not self.switched:
             # a step over 3x the arm's fastest is a stall of the machine (another process, a page
             # fault), not the arm's cost: counted at that cap, so one stall cannot bury an arm
