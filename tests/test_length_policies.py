@@ -348,6 +348,20 @@ def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
     assert calibrated.calibration(0.2) > 0.9
 
 
+def test_calibration_follows_a_flat_drafters_acceptance_and_pools_bins():
+    """Confidences all in bin 0 (0.01) and 70% of drafts accepted: after 20 judged drafts the
+    estimate is near 0.7 (a prior at the bin's midpoint, 0.05, held it at 0.59 and AdaSpec decoded
+    plain where drafting paid); an unseen bin starts at the rate seen across bins, not the identity."""
+    from hf_specdec.policies.goodput import Calibration
+    calibration = Calibration()
+    assert calibration(0.01) == pytest.approx(0.05) and calibration(0.95) == pytest.approx(0.95)
+    for accepted in [3, 1, 2, 0, 6, 2]:          # 14 accepted of 20 judged (a reject ends each row)
+        calibration.update([0.01] * 8, accepted, 8)
+    assert sum(calibration.judged) == 20
+    assert abs(calibration(0.01) - 0.7) < 0.05
+    assert abs(calibration(0.55) - 0.7) < 0.05   # no data in bin 5: the pooled rate
+
+
 def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     def drafting_steps(draft_ratio, batch):
         policy = hf_specdec.AdaSpec(toy_profile(draft_ratio), max_len=6, prior_confidence=0.02, probe_every=4)
