@@ -321,16 +321,32 @@ def test_adaspec_drafts_for_its_sure_rows_when_the_unsure_ones_will_be_trimmed()
 
 
 def test_adaspec_drafts_when_a_longer_draft_pays_though_one_does_not():
-    """Drafting steps measured 80% slower than modelled (the loop's own overhead), plain ones as
-    modelled: one draft then loses to plain decoding while longer ones win, and AdaSpec must draft."""
+    """Drafting steps measured 10 ms slower than modelled (a CPU's slower matrix-matrix kernel, the
+    loop's own work), plain ones as modelled: one draft then loses to plain decoding while longer
+    ones win, and AdaSpec must draft."""
     policy = hf_specdec.AdaSpec(toy_profile(0.05), max_len=6, calibrate=False, prior_confidence=0.9)
-    policy.model.scale = {(1, True): (1.8, 10), (1, False): (1.0, 10)}
+    policy.model.extra = {1: (0.01, 10)}
     ctx = StepContext(5, 1, 1, [0], context_tokens=64)
 
     def goodput(j):
         return policy.model.goodput(1, 64, j, [[0.9 ** i for i in range(1, j + 1)]])
     assert goodput(1) < goodput(0) < max(goodput(j) for j in range(2, 7))
     assert policy.choose(ctx) > 0
+
+
+def test_goodput_model_learns_a_drafting_steps_fixed_cost():
+    """Drafting steps cost the model plus a fixed 8 ms (as the tiny pair at B=1: plain 12 ms, one
+    draft 23 ms, each further draft +3 ms). Taught by plain steps and k = 2 steps only, the model
+    predicts every k's step time; a ratio learned at k = 2 would be 14% off at k = 6 and keep the
+    model's own best length where longer drafts amortise the fixed cost."""
+    model = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False).model
+    def truth(k):
+        return 0.9 * model._modelled(1, 64, k, [k]) + (0.008 if k else 0.0)
+    for step in range(1, 40):
+        k = 2 if step % 3 else 0
+        model.learn(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, truth(k), step=step, lag=1), 64)
+    for k in range(7):
+        assert model.step_time(1, 64, k, [k]) == pytest.approx(truth(k), rel=0.02), k
 
 
 def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
@@ -363,12 +379,25 @@ def test_calibration_follows_a_flat_drafters_acceptance_and_pools_bins():
 
 
 def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
+    """Every probe's first draft is rejected. Probes come every `probe_every` steps while the
+    acceptance estimate is too uncertain to rule drafting out, then ever rarer; none where even
+    drafts that are always accepted would not pay."""
     def drafting_steps(draft_ratio, batch):
         policy = hf_specdec.AdaSpec(toy_profile(draft_ratio), max_len=6, prior_confidence=0.02, probe_every=4)
-        ctx = StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch)
-        return [step for step in range(70) if policy.choose(ctx) > 0]
-    assert drafting_steps(0.05, 1) == [3, 11, 27, 59]   # cheap draft, unsure estimate: probes, ever rarer
-    assert drafting_steps(1.5, 16) == []                # a draft dearer than the target: no acceptance would pay
+        steps, rows = [], [0] * batch
+        for step in range(1, 600):
+            k = policy.choose(StepContext(step, batch, 1, list(range(batch)), context_tokens=64 * batch))
+            if k:
+                steps.append(step)
+                policy.verify_lengths([[0.02] * k] * batch)
+            seconds = policy.model.step_time(batch, 64 * batch, k, [k] * batch)
+            policy.observe(StepRecord(batch, rows, k, [k] * batch, rows, [1] * batch, 0.0, seconds, step=step))
+        return steps
+    steps = drafting_steps(0.05, 1)
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert gaps[:10] == [4] * 10, gaps                     # unsure: every probe_every steps
+    assert gaps == sorted(gaps) and gaps[-1] == 128, gaps  # sure: ever rarer, up to 32 x probe_every
+    assert drafting_steps(1.5, 16) == []                   # a draft dearer than the target: no acceptance would pay
 
 
 def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():
@@ -400,7 +429,7 @@ def test_adaspec_counts_a_step_whose_drafts_were_all_dropped_as_a_drafting_step(
     policy.choose(StepContext(1, 1, 1, [0], context_tokens=64))
     assert policy.verify_lengths([[0.01] * 3]) == [0]
     policy.observe(StepRecord(1, [0], 6, [0], [0], [1], 0.01, 0.02, step=1, lag=1))
-    assert set(policy.model.scale) == {(1, True)}
+    assert set(policy.model.extra) == {1} and not policy.model.ratio
 
 
 def test_goodput_policies_correct_the_latency_model_with_measured_steps():

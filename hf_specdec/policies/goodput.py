@@ -16,6 +16,7 @@ the acceptance rate measured so far (which stops being measured once k = 0: its 
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from pathlib import Path
 
@@ -34,16 +35,21 @@ def _as_profile(cost_model) -> CostProfile:
 
 
 class _GoodputModel:
-    """The latency model's goodput, corrected online: per batch bucket, plain and speculative step
-    times are scaled by their measured / modelled ratio (a linear fit misses effects such as a
-    CPU's matrix-vector kernel giving way to a slower matrix-matrix one at two tokens per row)."""
+    """The latency model's goodput, corrected online per batch bucket: plain steps' time is scaled
+    by their measured / modelled ratio, and a drafting step costs that plus a fixed `extra`, its
+    measured excess. Fixed, not a second ratio: on a CPU the step that first verifies two tokens
+    per row leaves the matrix-vector kernel for a slower matrix-matrix one (tiny pair, B=1: plain
+    12 ms, one draft 23 ms, each further draft +3 ms as modelled). A ratio would scale every
+    drafting length alike and keep the model's best length; the fixed cost is what longer drafts
+    amortise."""
 
     def __init__(self, profile: CostProfile, slo_tpot: float | None):
         if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float))
                                      or slo_tpot <= 0):
             raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
         self.profile, self.slo_tpot = profile, slo_tpot
-        self.scale: dict[tuple[int, bool], tuple[float, int]] = {}   # (bucket, drafting) -> (ratio, steps)
+        self.ratio: dict[int, tuple[float, int]] = {}   # bucket -> (plain steps' measured / modelled, steps)
+        self.extra: dict[int, tuple[float, int]] = {}   # bucket -> (drafting steps' excess seconds, steps)
 
     def _modelled(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
         # the first draft forward also feeds what the draft missed: `lag` tokens per row (1 in steady
@@ -52,9 +58,15 @@ class _GoodputModel:
                     for i in range(drafted))
         return draft + self.profile.target.forward_time(context, sum(v + 1 for v in verified))
 
+    def _scaled(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
+        return self.ratio.get(pow2_bucket(batch), (1.0, 0))[0] * self._modelled(batch, context, drafted, verified, lag)
+
     def step_time(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
-        ratio, _ = self.scale.get((pow2_bucket(batch), drafted > 0), (1.0, 0))
-        return ratio * self._modelled(batch, context, drafted, verified, lag)
+        seconds = self._scaled(batch, context, drafted, verified, lag)
+        if drafted:   # never below a plain step: a drafting step runs one at least as wide
+            seconds = max(seconds + self.extra.get(pow2_bucket(batch), (0.0, 0))[0],
+                          self._scaled(batch, context, 0, [0] * batch))
+        return seconds
 
     def learn(self, record: StepRecord, context: int, drafted: int | None = None) -> None:
         """Fold a measured step into the correction, its draft catch-up modelled too (probes after
@@ -64,14 +76,18 @@ class _GoodputModel:
             return
         if drafted is None:
             drafted = max(record.proposed) if record.k else 0
-        modelled = self._modelled(record.batch_size, context, drafted, record.proposed, record.lag)
-        if modelled <= 0:
-            return
-        key = (pow2_bucket(record.batch_size), drafted > 0)
-        ratio, n = self.scale.get(key, (1.0, 0))
-        measured = record.seconds / modelled
+        bucket = pow2_bucket(record.batch_size)
+        if drafted:
+            table = self.extra
+            value = record.seconds - self._scaled(record.batch_size, context, drafted, record.proposed, record.lag)
+        else:
+            modelled = self._modelled(record.batch_size, context, 0, record.proposed)
+            if modelled <= 0:
+                return
+            table, value = self.ratio, record.seconds / modelled
+        mean, n = table.get(bucket, (0.0 if drafted else 1.0, 0))
         weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
-        self.scale[key] = (ratio + weight * (measured - ratio), n + 1)
+        table[bucket] = (mean + weight * (value - mean), n + 1)
 
     def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> float:
         """ar[b] = acceptance estimates of the drafts row b verifies; -1 when over the SLO."""
@@ -152,8 +168,9 @@ class AdaSpec(LengthPolicy):
     slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the guess for a
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
     a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
-    draft anyway after this many non-drafting steps, so estimates keep being measured (the gap
-    doubles after each probe that changed nothing, up to 32 x probe_every). A probe drafts and
+    draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain to
+    rule drafting out, so it keeps being measured (once it is sure, the gap doubles after each
+    probe, up to 32 x probe_every). A probe drafts and
     verifies all max_len tokens: it measures acceptance at every depth, not just the first."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
@@ -189,17 +206,27 @@ class AdaSpec(LengthPolicy):
         if best_drafting(self.guess) > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
-        # A probe step (drafting although the estimate says no, once every `probe_every`) keeps the
-        # acceptance estimate alive: no deadlock at 0. Only where acceptance could change the
-        # answer: if even drafts that are always accepted cost more than they give, drafting
-        # never pays at this load and probing would only slow it down. Each probe costs a draft
-        # catch-up and a wider verification, so while probes keep confirming 0 they grow rarer.
+        # A probe step (drafting although the estimate says no) keeps the acceptance estimate
+        # alive: no deadlock at 0. Only where acceptance could change the answer: if even drafts
+        # that are always accepted cost more than they give, drafting never pays at this load and
+        # probing would only slow it down. While the estimate is too uncertain to say no (drafting
+        # pays at its upper confidence bound) probes come every `probe_every` steps; once it is
+        # sure, each probe costs a draft catch-up and a wider verification for a check that
+        # acceptance has not changed, so they grow rarer.
         self.idle += 1
-        if self.idle >= self.probe_gap and best_drafting(1.0) > plain:
+        if self.idle >= self.probe_every and best_drafting(self.optimistic_acceptance()) > plain:
+            self.idle, self.probing = 0, True
+        elif self.idle >= self.probe_gap and best_drafting(1.0) > plain:
             self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
             self.probing = True
-            return self.max_len
-        return 0
+        return self.max_len if self.probing else 0
+
+    def optimistic_acceptance(self) -> float:
+        """An upper confidence bound of the guess: + sqrt(ln(1/delta) / 2n) over the n drafts judged
+        so far (Hoeffding, delta = e^-2); the guess itself where acceptance is not learned."""
+        if not isinstance(self.calibration, Calibration):
+            return self.guess
+        return min(1.0, self.guess + math.sqrt(1.0 / max(self.calibration.all_judged, 1)))
 
     def mean_acceptance(self) -> float:
         """The guess for one more draft's acceptance: the latest drafts' confidences through the
