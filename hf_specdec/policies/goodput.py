@@ -63,9 +63,8 @@ class _GoodputModel:
 
     def step_time(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
         seconds = self._scaled(batch, context, drafted, verified, lag)
-        if drafted:   # never below a plain step: a drafting step runs one at least as wide
-            seconds = max(seconds + self.extra.get(pow2_bucket(batch), (0.0, 0))[0],
-                          self._scaled(batch, context, 0, [0] * batch))
+        if drafted:   # an excess below 0 (the model's slope too steep) would make short drafts look free
+            seconds += max(self.extra.get(pow2_bucket(batch), (0.0, 0))[0], 0.0)
         return seconds
 
     def learn(self, record: StepRecord, context: int, drafted: int | None = None) -> None:
