@@ -157,9 +157,8 @@ class Calibration:
             i = self._bin(c)
             self.judged[i] += 1
             self.accepted[i] += j < accepted
-        judged = min(proposed, accepted + 1, len(confidences))
-        self.all_judged += judged
-        self.all_accepted += min(accepted, judged)
+            self.all_judged += 1
+            self.all_accepted += j < accepted
 
 
 class AdaSpec(LengthPolicy):
@@ -167,10 +166,10 @@ class AdaSpec(LengthPolicy):
     slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the guess for a
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
     a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
-    draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain to
-    rule drafting out, so it keeps being measured (once it is sure, the gap doubles after each
-    probe, up to 32 x probe_every). A probe drafts and
-    verifies all max_len tokens: it measures acceptance at every depth, not just the first."""
+    draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain
+    to rule drafting out, so it keeps being measured (once it is sure, the gap doubles after each
+    probe, up to 32 x probe_every). A probe drafts and verifies all max_len tokens: it measures
+    acceptance at every depth, not just the first."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
                  prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8):
