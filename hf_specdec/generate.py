@@ -89,13 +89,12 @@ class _Loop:
         self.streamed = batch.prompt_len
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
         self._controls, self._trims = policy.length.drafting_hooks()
-        # only generate()'s own criteria: judged in one pass (`_plain_stops`)
+        # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
-        if self._plain_criteria:
-            eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
-            self._eos = torch.cat(eos) if eos else None
-            self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria),
-                                   default=batch.tokens.shape[1] + 1)
+        eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
+        self._eos = torch.cat(eos) if eos else None
+        self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria),
+                               default=batch.tokens.shape[1] + 1)
 
     def run(self) -> SpecStats:
         names = [d.name for d in self.drafters]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..costmodel import CostProfile
 from ..stats import StepRecord
-from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket
+from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
 
 
 def _as_profile(cost_model) -> CostProfile:
@@ -196,8 +196,8 @@ class AdaSpec(LengthPolicy):
             ar = _cumulative([acceptance] * drafts)
             return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
         def best_drafting(acceptance: float) -> float:
-            # any length, not only one draft: a drafting step's measured overhead (its own
-            # correction ratio) can make one draft lose where two or three win
+            # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
+            # can make one draft lose where two or three win
             return max(goodput(j, acceptance) for j in range(1, self.max_len + 1))
         plain = goodput(0, 1.0)
         self.guess = self.mean_acceptance()      # fixed within the step: calibration learns in observe
@@ -278,8 +278,7 @@ class DSDGoodput(LengthPolicy):
     def __init__(self, cost_model, max_len: int = 8, prior_acceptance: float = 0.7, smoothing: float = 0.1):
         if non_negative_int(max_len, "DSDGoodput(max_len)") < 1:
             raise ValueError(f"DSDGoodput(max_len) must be >= 1, got {max_len}")
-        if isinstance(prior_acceptance, bool) or not 0 <= prior_acceptance <= 1:
-            raise ValueError(f"DSDGoodput(prior_acceptance) must be in [0, 1], got {prior_acceptance!r}")
+        probability(prior_acceptance, "DSDGoodput(prior_acceptance)")
         self.model = _GoodputModel(_as_profile(cost_model), None)
         self.max_len, self.alpha, self.smoothing = max_len, prior_acceptance, smoothing
         self.context = 0   # the current step's context tokens
