@@ -279,6 +279,18 @@ def test_adaspec_respects_the_slo():
     assert too_tight.choose(StepContext(0, 1, 1, [0], context_tokens=64)) == 0
 
 
+def test_adaspec_weighs_the_drafts_catch_up_against_what_is_left_of_the_call():
+    """After plain steps the draft must catch up what it missed (at a call's start: the prompt). A
+    short rest of the call cannot repay that, a long one can; with nothing to catch up, drafting pays."""
+    def length(lag, remaining):
+        policy = hf_specdec.AdaSpec(toy_profile(), max_len=6, prior_confidence=0.9, calibrate=False)
+        return policy.choose(StepContext(1, 1, 1, [0], context_tokens=64, max_lag=lag, remaining=remaining))
+    assert length(lag=1, remaining=8) > 0
+    assert length(lag=400, remaining=8) == 0
+    assert length(lag=400, remaining=4000) > 0
+    assert length(lag=400, remaining=0) > 0        # the rest of the call unknown: not charged
+
+
 def test_adaspec_verifies_fewer_tokens_of_unsure_rows():
     policy = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False)
     policy.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128))

@@ -67,6 +67,13 @@ class _GoodputModel:
             seconds += max(self.extra.get(pow2_bucket(batch), (0.0, 0))[0], 0.0)
         return seconds
 
+    def catch_up(self, batch: int, context: int, lag: int) -> float:
+        """Seconds a first draft forward spends feeding the `lag` - 1 tokens per row the draft missed
+        beyond its usual one (at a call's first drafting step: the prompt)."""
+        if lag <= 1:
+            return 0.0
+        return self._scaled(batch, context, 1, [0] * batch, lag) - self._scaled(batch, context, 1, [0] * batch)
+
     def learn(self, record: StepRecord, context: int, drafted: int | None = None) -> None:
         """Fold a measured step into the correction, its draft catch-up modelled too (probes after
         plain steps then count); a step that prefilled the prompt is left out. drafted: the draft
@@ -192,9 +199,21 @@ class AdaSpec(LengthPolicy):
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx, self.verified, self.probing = ctx, None, False
+        batch = ctx.batch_size
+        # The draft's catch-up (after plain steps; a call's first drafts prefill its prompt) is paid
+        # once, by the first drafting step, for drafting over the rest of the call: it is spread over
+        # the steps left at that rate. A short call cannot repay a long prompt's catch-up (SmolLM2,
+        # int8 draft, 32 new tokens: every probe of the call's first steps cost a prefill).
+        # Unknown remaining (0): not charged.
+        catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
-            return self.model.goodput(ctx.batch_size, ctx.context_tokens, drafts, [ar] * ctx.batch_size)
+            value = self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch)
+            if not drafts or catch_up <= 0 or value <= 0:
+                return value
+            per_row = 1 + sum(ar)
+            steps_left = max(1.0, ctx.remaining / per_row)
+            return batch * per_row / (batch * per_row / value + catch_up / steps_left)
         def best_drafting(acceptance: float) -> float:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
             # can make one draft lose where two or three win
