@@ -16,7 +16,9 @@ timed runs of a batch size, the learning policies get --learn-runs untimed runs 
 fixed batch sizes, a "changing" run starts --changing-rows rows whose output budgets range from 4
 tokens to --max-new-tokens, so the batch shrinks as rows finish.
 Writes <out>.json, <out>.md (tokens/s per method and batch size, the oracle = best fixed k) and
-<out>.png (k chosen over time in the changing run).
+<out>.png (k chosen over time in the changing run). The .json also holds, per method, each timed
+run's drafting steps and, of the last run, k over time and `tail_share`: its time after the first
+row finished (under speculation a static batch's rows drift apart: the call waits for the slowest).
 """
 from __future__ import annotations
 
@@ -167,6 +169,10 @@ def run_env(name, args, save=lambda results: None) -> dict:
                 "drafting_steps": drafting[m],
                 "identical_to_plain": bool(out.sequences.shape == plain.shape and torch.equal(out.sequences, plain)),
                 "mean_accepted_tokens": round(stats.mean_accepted_tokens, 3) if stats else 1.0,
+                # the last run's time in steps after its first row finished: speculation drifts a
+                # static batch's rows apart, and the call waits for the slowest at a smaller batch
+                "tail_share": round(sum(s.seconds for s in stats.steps if s.batch_size < rows)
+                                    / sum(s.seconds for s in stats.steps), 3) if stats else None,
                 "k_over_time": [(s.batch_size, s.k, max(s.proposed, default=0)) for s in stats.steps] if stats else [],
             }
         plain_tps = rows_out["plain"]["tokens_per_s"]
