@@ -203,8 +203,8 @@ class AdaSpec(LengthPolicy):
         # The draft's catch-up (after plain steps; a call's first drafts prefill its prompt) is paid
         # once, by the first drafting step, for drafting over the rest of the call: it is spread over
         # the steps left at that rate. A short call cannot repay a long prompt's catch-up (SmolLM2,
-        # int8 draft, 32 new tokens: every probe of the call's first steps cost a prefill).
-        # Unknown remaining (0): not charged.
+        # int8 draft, 32 new tokens: a call's first probe cost its prompt's prefill through the
+        # draft). Unknown remaining (0): not charged.
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
