@@ -95,12 +95,14 @@ class _GoodputModel:
         weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
         table[bucket] = (mean + weight * (value - mean), n + 1)
 
-    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> float:
-        """ar[b] = acceptance estimates of the drafts row b verifies; -1 when over the SLO."""
+    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]], spread: float = 0.0) -> float:
+        """ar[b] = acceptance estimates of the drafts row b verifies; spread: seconds charged beyond
+        the step's own (a one-off cost shared with later steps: not judged against the SLO); -1 when
+        the step is over the SLO."""
         seconds = self.step_time(batch, context, drafted, [len(row) for row in ar])
         if self.slo_tpot is not None and seconds > self.slo_tpot:
             return -1.0
-        return sum(1.0 + sum(row) for row in ar) / seconds
+        return sum(1.0 + sum(row) for row in ar) / (seconds + spread)
 
     def best_verification(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> tuple[list[int], float]:
         """The verify lengths per row that maximise goodput once `drafted` draft forwards are run, and
@@ -208,12 +210,9 @@ class AdaSpec(LengthPolicy):
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
-            value = self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch)
-            if not drafts or catch_up <= 0 or value <= 0:
-                return value
-            per_row = 1 + sum(ar)
-            steps_left = max(1.0, ctx.remaining / per_row)
-            return batch * per_row / (batch * per_row / value + catch_up / steps_left)
+            steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
+            spread = catch_up / steps_left if drafts else 0.0
+            return self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch, spread)
         def best_drafting(acceptance: float) -> float:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
             # can make one draft lose where two or three win
