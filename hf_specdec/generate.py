@@ -79,7 +79,9 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
 
 class _Loop:
     def __init__(self, batch: SequenceBatch, target: CachedModel, drafters: list[Drafter],
-                 policy: SpecPolicy, sampler: TokenSampler, stopping_criteria, freeze_finished, streamer):
+                 policy: SpecPolicy, sampler: TokenSampler, stopping_criteria, freeze_finished, streamer,
+                 static_batch: bool = True):
+        self.static_batch = static_batch       # generate(): rows that finish early wait for the rest
         self.batch, self.target, self.drafters, self.policy = batch, target, drafters, policy
         self.sampler, self.stopping_criteria = sampler, stopping_criteria
         self.freeze_finished, self.streamer = freeze_finished, streamer
@@ -135,7 +137,7 @@ class _Loop:
         numbers += [d.runner.lag(batch).max() for d in self.drafters if isinstance(d, ModelDrafter)]
         context_tokens, remaining, *lags = torch.stack(numbers).tolist()
         return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
-                           max_lag=max(lags, default=0), remaining=remaining)
+                           max_lag=max(lags, default=0), remaining=remaining, static_batch=self.static_batch)
 
     def step(self, index: int) -> StepRecord:
         begin = time.perf_counter()

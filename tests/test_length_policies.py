@@ -16,6 +16,7 @@ import hf_specdec
 from helpers import assert_same, spec
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
+from hf_specdec.policies.straggler import emission_moments, stretch
 from hf_specdec.stats import StepRecord
 from hf_specdec.testing import build, noisy_copy, prompts
 
@@ -289,6 +290,62 @@ def test_adaspec_weighs_the_drafts_catch_up_against_what_is_left_of_the_call():
     assert length(lag=400, remaining=8) == 0
     assert length(lag=400, remaining=4000) > 0
     assert length(lag=400, remaining=0) > 0        # the rest of the call unknown: not charged
+
+
+def accepted_drafts(rng, k, acceptance):
+    """How many of k drafts, each accepted with probability `acceptance`, pass before the first miss."""
+    accepted = 0
+    while accepted < k and rng.random() < acceptance:
+        accepted += 1
+    return accepted
+
+
+@pytest.mark.parametrize("batch,remaining,acceptance,k", [(16, 96, 0.7, 2), (8, 96, 0.8, 4), (16, 40, 0.6, 3)])
+def test_straggler_stretch_predicts_when_a_static_batchs_last_row_finishes(batch, remaining, acceptance, k):
+    """Rows emitting 1 + (accepted drafts) tokens per step, each until it has `remaining`: the
+    batch's step count is the slowest row's, well past remaining / mean, as `stretch` predicts."""
+    rng = random.Random(0)
+    ar = [acceptance ** i for i in range(1, k + 1)]
+    def steps_to_finish():
+        left, steps = [remaining] * batch, 0
+        while max(left) > 0:
+            steps += 1
+            left = [n - 1 - accepted_drafts(rng, k, acceptance) for n in left]
+        return steps
+    simulated = statistics.fmean(steps_to_finish() for _ in range(300))
+    mean, _ = emission_moments(ar)
+    assert simulated > 1.08 * remaining / mean                        # the tail is there to price
+    assert simulated == pytest.approx(remaining / mean * stretch(batch, remaining, ar), rel=0.05)
+    assert stretch(1, remaining, ar) == stretch(batch, 0, ar) == 1.0   # one row; the rest unknown
+
+
+def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row():
+    """A step's goodput that drafting wins by 3% at B=16 loses once the wait for the slowest row
+    is counted over the 96 tokens left of a generate() call; it still wins in serving (rows are
+    refilled), over a long rest of the call, and for one row."""
+    def adaspec(batch, remaining, static):
+        policy = hf_specdec.AdaSpec(toy_profile(0.1), max_len=6, prior_confidence=0.9, calibrate=False)
+        return policy.choose(StepContext(1, batch, 1, list(range(batch)), context_tokens=64 * batch, max_lag=1,
+                                         remaining=remaining, static_batch=static))
+    assert adaspec(16, 96, static=True) == 0
+    assert adaspec(16, 96, static=False) > 0 and adaspec(16, 100_000, static=True) > 0 and adaspec(1, 96, True) > 0
+
+    # Nightjar at B=16: k=2 is 3% faster per token than plain (drafts accepted with probability 0.7)
+    def nightjar_drafting_share(remaining, static, seed):
+        rng, policy, batch, ks = random.Random(seed), hf_specdec.Nightjar(max_len=2, seed=seed), 16, []
+        for step in range(1, 601):
+            k = policy.choose(StepContext(step, batch, 1, list(range(batch)), context_tokens=64 * batch, max_lag=1,
+                                          remaining=remaining, static_batch=static))
+            accepted = [accepted_drafts(rng, k, ALPHA) for _ in range(batch)]
+            seconds = {0: 0.01, 1: 0.0185, 2: 0.02126}[k] * rng.uniform(0.98, 1.02)
+            drafting = 0.3 * seconds if k else 0.0
+            policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, accepted,
+                                      [a + 1 for a in accepted], drafting, seconds - drafting))
+            ks.append(k)
+        return statistics.fmean(k > 0 for k in ks[300:])
+    assert statistics.fmean(nightjar_drafting_share(96, True, seed) for seed in range(3)) < 0.5
+    assert min(nightjar_drafting_share(96, False, seed) for seed in range(3)) > 0.9
+    assert min(nightjar_drafting_share(100_000, True, seed) for seed in range(3)) > 0.9
 
 
 def test_adaspec_verifies_fewer_tokens_of_unsure_rows():

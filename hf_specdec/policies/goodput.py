@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..costmodel import CostProfile
 from ..stats import StepRecord
+from . import straggler
 from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
 
 
@@ -95,14 +96,16 @@ class _GoodputModel:
         weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
         table[bucket] = (mean + weight * (value - mean), n + 1)
 
-    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]], spread: float = 0.0) -> float:
+    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]], spread: float = 0.0,
+                stretch: float = 1.0) -> float:
         """ar[b] = acceptance estimates of the drafts row b verifies; spread: seconds charged beyond
-        the step's own (a one-off cost shared with later steps: not judged against the SLO); -1 when
-        the step is over the SLO."""
+        the step's own (a one-off cost shared with later steps: not judged against the SLO);
+        stretch: steps taken per step the rate promises (a static batch's tail, `straggler`); -1
+        when the step is over the SLO."""
         seconds = self.step_time(batch, context, drafted, [len(row) for row in ar])
         if self.slo_tpot is not None and seconds > self.slo_tpot:
             return -1.0
-        return sum(1.0 + sum(row) for row in ar) / (seconds + spread)
+        return sum(1.0 + sum(row) for row in ar) / (seconds * stretch + spread)
 
     def best_verification(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> tuple[list[int], float]:
         """The verify lengths per row that maximise goodput once `drafted` draft forwards are run, and
@@ -207,12 +210,15 @@ class AdaSpec(LengthPolicy):
         # the steps left at that rate. A short call cannot repay a long prompt's catch-up (SmolLM2,
         # int8 draft, 32 new tokens: a call's first probe cost its prompt's prefill through the
         # draft). Unknown remaining (0): not charged.
+        # In a static batch (generate()) drafting also pays the wait for its slowest row at the
+        # call's end (`straggler`): near-ties at large batches lose (tiny pair, B=16: ~10%).
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
-            return self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch, spread)
+            tail = straggler.stretch(batch, ctx.remaining, ar) if ctx.static_batch else 1.0
+            return self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch, spread, tail)
         def best_drafting(acceptance: float) -> float:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
             # can make one draft lose where two or three win

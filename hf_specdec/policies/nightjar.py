@@ -47,6 +47,7 @@ from typing import Callable
 
 from ..costmodel import CostProfile, SwitchCostTable
 from ..stats import StepRecord
+from . import straggler
 from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket
 
 _LOG_INV_DELTA = 4.0   # pruning confidence: ln(1 / delta)
@@ -165,7 +166,7 @@ class Nightjar(LengthPolicy):
             if self.rng.random() < 1.0 / state.bin:
                 state.locked = self._explore(state, arms)
             else:
-                state.locked = self._exploit(state, arms, cost / ctx.batch_size, ctx.remaining)
+                state.locked = self._exploit(state, arms, cost / ctx.batch_size, ctx)
         k = state.locked
         state.round += 1
         if state.round > math.sqrt(state.horizon):
@@ -202,6 +203,15 @@ class Nightjar(LengthPolicy):
             out.append(out[-1] + u)
         return out
 
+    def _accepted(self) -> list[float]:
+        """By j = 1..max_len: the measured P(a row's first j drafts are accepted), non-increasing
+        (0 past the depths judged so far)."""
+        out, p = [], 1.0
+        for j in range(1, self.max_len + 1):
+            p = min(p, self.passed[j] / self.judged[j]) if self.judged[j] else 0.0
+            out.append(p)
+        return out
+
     def _explore(self, state: _BatchState, arms: list[int]) -> int:
         """Uniform (the paper), or (prune) optimistic: the arm with the least optimistic latency per
         token, so exploration goes to arms that could still be the best rather than equally to all
@@ -211,17 +221,21 @@ class Nightjar(LengthPolicy):
         ub = self._accepted_ub()
         return min(arms, key=lambda k: (state.best_case(k, ub), self.rng.random()))
 
-    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, remaining: int) -> int:
+    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, ctx: StepContext) -> int:
         """argmin_k latency(k) + the switching cost per row over the tokens it buys (k > 0): the
-        rest of the call (`remaining` tokens) where known, else (the paper) the step's k."""
+        rest of the call (ctx.remaining tokens) where known, else (the paper) the step's k. Ours: in
+        a static batch, latency(k > 0) x the wait for the slowest row at the call's end
+        (`straggler.stretch`, from the pooled acceptance by depth)."""
         untried = [k for k in arms if not state.tokens[k]]
         if untried:
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
             # shorter arm (`best_case`), so the arms in between are mostly pruned untried
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
+        passed = self._accepted() if ctx.static_batch else []
         best, best_value = 0, math.inf
         for k in arms:
-            value = state.latency(k) + (cost_per_row / (remaining or k) if k > 0 else 0.0)
+            tail = straggler.stretch(ctx.batch_size, ctx.remaining, passed[:k]) if k and passed else 1.0
+            value = state.latency(k) * tail + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
         return best
