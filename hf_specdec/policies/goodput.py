@@ -10,7 +10,8 @@ token and a(c) = c in the paper; we learn a(c) from verification outcomes by def
 guessed as the running mean confidence) rises ("predict-execute-correct"); then the
 lowest-AR tail drafts of any row are dropped while that raises goodput (confidence-prior
 verification: rows verify different numbers of tokens). With `slo_tpot`, a step predicted to take
-longer than the SLO scores -1 and is not chosen.
+longer than the SLO scores -1 and is not chosen. Ours: whether to draft at all also weighs the
+draft's catch-up over the steps left and, in generate(), the wait for the slowest row (`straggler`).
 DSDGoodput (DSD / SmartSpec): one k for the step, argmax of goodput with AR_i = alpha^i and alpha
 the acceptance rate measured so far (which stops being measured once k = 0: its known deadlock).
 """

@@ -19,6 +19,9 @@ load drops back to a small batch its (positive) k is found again: no decision de
 Ours, beyond the paper. Statistics leave out the steps that prefill a call's prompt (its first
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
+In generate() (StepContext.static_batch) exploitation multiplies latency(k > 0) by the wait for the
+batch's slowest row at the call's end (`straggler.stretch`, from the pooled acceptance by depth):
+the steps at the call's end with fewer rows land in other buckets, so no arm's own latency holds them.
 `prune=True`: exploration and exploitation skip arms that, with high confidence, lose to another
 arm (successive elimination), a bin whose k becomes such an arm ends early, and an exploring bin
 takes the arm with the least optimistic latency (optimism, as in UCB) rather than a uniform one:
