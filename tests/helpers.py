@@ -18,7 +18,8 @@ class Scripted(LengthPolicy):
     """k = ks(step) for the step-th step of each generate() call."""
 
     def __init__(self, ks):
-        self.ks = ks
+        self.ks, self.contexts = ks, []       # every StepContext seen
 
     def choose(self, ctx):
+        self.contexts.append(ctx)
         return self.ks(ctx.step)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_specdec
-from helpers import assert_same, spec
+from helpers import Scripted, assert_same, spec
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
 from hf_specdec.policies.straggler import emission_moments, stretch
@@ -319,7 +319,7 @@ def test_straggler_stretch_predicts_when_a_static_batchs_last_row_finishes(batch
     assert stretch(1, remaining, ar) == stretch(batch, 0, ar) == 1.0   # one row; the rest unknown
 
 
-def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row():
+def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row(models):
     """A step's goodput that drafting wins by 3% at B=16 loses once the wait for the slowest row
     is counted over the 96 tokens left of a generate() call; it still wins in serving (rows are
     refilled), over a long rest of the call, and for one row."""
@@ -327,6 +327,9 @@ def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row():
         policy = hf_specdec.AdaSpec(toy_profile(0.1), max_len=6, prior_confidence=0.9, calibrate=False)
         return policy.choose(StepContext(1, batch, 1, list(range(batch)), context_tokens=64 * batch, max_lag=1,
                                          remaining=remaining, static_batch=static))
+    policy, (ids, mask) = Scripted(lambda step: 2), prompts(3, seed=1)
+    spec(models[0], [models[1]], policy, input_ids=ids, attention_mask=mask, max_new_tokens=12)
+    assert all(c.static_batch for c in policy.contexts) and policy.contexts[0].remaining == 12    # generate()
     assert adaspec(16, 96, static=True) == 0
     assert adaspec(16, 96, static=False) > 0 and adaspec(16, 100_000, static=True) > 0 and adaspec(1, 96, True) > 0
 
