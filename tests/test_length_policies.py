@@ -452,24 +452,28 @@ def test_calibration_follows_a_flat_drafters_acceptance_and_pools_bins():
 
 def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     """Every probe's first draft is rejected. Probes come every `probe_every` steps while the
-    acceptance estimate is too uncertain to rule drafting out, then ever rarer; none where even
-    drafts that are always accepted would not pay."""
+    acceptance estimate is too uncertain to rule drafting out, then ever rarer as the optimistic
+    gain they could find shrinks; once sure, they lose at most `probe_budget` of the plain steps'
+    time; none where even drafts that are always accepted would not pay."""
     def drafting_steps(draft_ratio, batch):
         policy = hf_specdec.AdaSpec(toy_profile(draft_ratio), max_len=6, prior_confidence=0.02, probe_every=4)
-        steps, rows = [], [0] * batch
+        steps, rows, lost, plain = [], [0] * batch, 0.0, 0.0
         for step in range(1, 600):
             k = policy.choose(StepContext(step, batch, 1, list(range(batch)), context_tokens=64 * batch))
             if k:
                 steps.append(step)
                 policy.verify_lengths([[0.02] * k] * batch)
             seconds = policy.model.step_time(batch, 64 * batch, k, [k] * batch)
+            plain_seconds = policy.model.step_time(batch, 64 * batch, 0, [0] * batch)
+            lost, plain = (lost + seconds - plain_seconds, plain) if k else (lost, plain + seconds)
             policy.observe(StepRecord(batch, rows, k, [k] * batch, rows, [1] * batch, 0.0, seconds, step=step))
-        return steps
-    steps = drafting_steps(0.05, 1)
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
-    assert gaps[:10] == [4] * 10, gaps                     # unsure: every probe_every steps
-    assert gaps == sorted(gaps) and gaps[-1] == 128, gaps  # sure: ever rarer, up to 32 x probe_every
-    assert drafting_steps(1.5, 16) == []                   # a draft dearer than the target: no acceptance would pay
+        return [b - a for a, b in zip(steps, steps[1:])], lost / plain
+    gaps, _ = drafting_steps(0.05, 1)
+    assert gaps[:3] == [4] * 3, gaps                         # unsure: every probe_every steps
+    assert gaps == sorted(gaps) and gaps[-1] == 128, gaps    # then ever rarer, up to 32 x probe_every
+    gaps, lost = drafting_steps(0.05, 4)                     # sure from the start (B=4): within budget
+    assert len(gaps) >= 3 and lost <= 0.03, (gaps, lost)
+    assert drafting_steps(1.5, 16)[0] == []                  # a draft dearer than the target: no acceptance would pay
 
 
 def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():
@@ -605,6 +609,7 @@ def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeyp
     (lambda: hf_specdec.Nightjar(buckets="log"), "buckets"),
     (lambda: hf_specdec.AdaSpec(toy_profile(), max_len=0), "max_len"),
     (lambda: hf_specdec.AdaSpec(toy_profile(), slo_tpot=-0.1), "slo_tpot"),
+    (lambda: hf_specdec.AdaSpec(toy_profile(), probe_budget=0), "probe_budget"),
     (lambda: hf_specdec.ConfidenceThreshold(1.5), "threshold"),
     (lambda: hf_specdec.HFHeuristic(initial=0), "initial"),
     (lambda: hf_specdec.DSDGoodput(toy_profile(), prior_acceptance=2), "prior_acceptance"),

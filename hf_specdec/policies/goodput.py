@@ -182,10 +182,12 @@ class AdaSpec(LengthPolicy):
     draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain
     to rule drafting out, so it keeps being measured (once it is sure, the gap doubles after each
     probe, up to 32 x probe_every). A probe drafts and verifies all max_len tokens: it measures
-    acceptance at every depth, not just the first."""
+    acceptance at every depth, not just the first. probe_budget: once sure, the share of the
+    plain steps' time that the probes may lose (unsure: at most drafting's optimistic gain)."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
-                 prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8):
+                 prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8,
+                 probe_budget: float = 0.03):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not 0 < prior_confidence <= 1:
@@ -196,6 +198,9 @@ class AdaSpec(LengthPolicy):
         self.prior_confidence = prior_confidence
         self.recent: deque[float] = deque(maxlen=50)             # confidences of the latest drafts
         self.probe_every = non_negative_int(probe_every, "AdaSpec(probe_every)") or 1
+        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) or probe_budget <= 0:
+            raise ValueError(f"AdaSpec(probe_budget) must be a number > 0, got {probe_budget!r}")
+        self.probe_budget = probe_budget
         self.idle = 0                                            # steps since the last drafting step
         self.probing = False                                     # this step drafts to measure
         self.guess = prior_confidence                            # this step's mean_acceptance()
@@ -235,14 +240,29 @@ class AdaSpec(LengthPolicy):
         # probing would only slow it down. While the estimate is too uncertain to say no (drafting
         # pays at its upper confidence bound) probes come every `probe_every` steps; once it is
         # sure, each probe costs a draft catch-up and a wider verification for a check that
-        # acceptance has not changed, so they grow rarer.
+        # acceptance has not changed, so they grow rarer. Either way a probe's loss (`_probe_loss`)
+        # is paid for: unsure, by what drafting would have gained over the idle steps were the
+        # optimistic estimate right (a near-tie at B=16 is not worth a probe every 8 steps); sure,
+        # by `probe_budget` of their time (SmolLM2, int8 draft: a call's first probe cost ~6 plain steps).
         self.idle += 1
-        if self.idle >= self.probe_every and best_drafting(self.optimistic_acceptance()) > plain:
-            self.idle, self.probing = 0, True
-        elif self.idle >= self.probe_gap and best_drafting(1.0) > plain:
+        plain_s = self.model.step_time(batch, ctx.context_tokens, 0, [0] * batch)
+        if self.idle >= self.probe_every:
+            upside = best_drafting(self.optimistic_acceptance()) / plain - 1
+            if upside > 0 and self.idle * upside * plain_s >= self._probe_loss(ctx, catch_up):
+                self.idle, self.probing = 0, True
+        if not self.probing and self.idle >= self.probe_gap and best_drafting(1.0) > plain \
+                and self.idle * self.probe_budget * plain_s >= self._probe_loss(ctx, catch_up):
             self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
             self.probing = True
         return self.max_len if self.probing else 0
+
+    def _probe_loss(self, ctx: StepContext, catch_up: float) -> float:
+        """Seconds a probe (max_len drafts, all verified, after the draft's catch-up) costs beyond
+        the plain steps that would emit its expected tokens, at the current acceptance guess."""
+        batch, context = ctx.batch_size, ctx.context_tokens
+        probe_s = self.model.step_time(batch, context, self.max_len, [self.max_len] * batch) + catch_up
+        tokens = 1 + sum(_cumulative([self.guess] * self.max_len))
+        return probe_s - tokens * self.model.step_time(batch, context, 0, [0] * batch)
 
     def optimistic_acceptance(self) -> float:
         """An upper confidence bound of the guess: + sqrt(ln(1/delta) / 2n) over the n drafts judged
