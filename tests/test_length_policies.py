@@ -16,7 +16,7 @@ import hf_specdec
 from helpers import Scripted, assert_same, spec
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
-from hf_specdec.policies.straggler import emission_moments, stretch
+from hf_specdec.policies.straggler import FinishingRows, emission_moments, stretch
 from hf_specdec.stats import StepRecord
 from hf_specdec.testing import build, noisy_copy, prompts
 
@@ -317,6 +317,24 @@ def test_straggler_stretch_predicts_when_a_static_batchs_last_row_finishes(batch
     assert simulated > 1.08 * remaining / mean                        # the tail is there to price
     assert simulated == pytest.approx(remaining / mean * stretch(batch, remaining, ar), rel=0.05)
     assert stretch(1, remaining, ar) == stretch(batch, 0, ar) == 1.0   # one row; the rest unknown
+
+
+def test_finishing_rows_learns_how_many_rows_are_still_running_at_a_calls_end():
+    """Rows that stop early (EOS, outputs of different lengths) cannot be the last to finish."""
+    def calls(finishing, active_at):
+        for _ in range(8):            # 16 rows, 96 new tokens; active_at(t): rows running after t tokens
+            for t in range(96):
+                if not active_at(t):  # the call is over
+                    break
+                finishing.update(StepContext(t, active_at(t), 1, context_tokens=0, remaining=96 - t, static_batch=True))
+    finishing = FinishingRows()
+    assert finishing(16) == 16                                        # nothing seen: every row may be last
+    calls(finishing, lambda t: 16)                                    # every row runs to the end
+    assert finishing(16) == 16 and finishing(5) == 5
+    calls(finishing, lambda t: max(1, 16 - t // 6))                   # rows stop one by one (budgets 6..96)
+    assert finishing(16) <= 3
+    calls(finishing, lambda t: 16 if t < 40 else 0)                   # every row stops early: one was last
+    assert finishing(16) == 1
 
 
 def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row(models):

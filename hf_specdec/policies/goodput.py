@@ -205,25 +205,28 @@ class AdaSpec(LengthPolicy):
         self.probing = False                                     # this step drafts to measure
         self.guess = prior_confidence                            # this step's mean_acceptance()
         self.probe_gap = self.probe_every                        # idle steps before the next probe
+        self.finishing = straggler.FinishingRows()                # rows that can be a call's last
         self.ctx: StepContext | None = None
         self.verified: list[list[float]] | None = None          # this step's confidences, for observe
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx, self.verified, self.probing = ctx, None, False
         batch = ctx.batch_size
+        if ctx.static_batch:
+            self.finishing.update(ctx)
         # The draft's catch-up (after plain steps; a call's first drafts prefill its prompt) is paid
         # once, by the first drafting step, for drafting over the rest of the call: it is spread over
         # the steps left at that rate. A short call cannot repay a long prompt's catch-up (SmolLM2,
         # int8 draft, 32 new tokens: a call's first probe cost its prompt's prefill through the
         # draft). Unknown remaining (0): not charged.
         # In a static batch (generate()) drafting also pays the wait for its slowest row at the
-        # call's end (`straggler`): near-ties at large batches lose (tiny pair, B=16: ~10%).
+        # call's end (`straggler`; tiny pair, B=16, all rows running to the end: ~10%).
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
-            tail = straggler.stretch(batch, ctx.remaining, ar) if ctx.static_batch else 1.0
+            tail = straggler.stretch(self.finishing(batch), ctx.remaining, ar) if ctx.static_batch else 1.0
             return self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch, spread, tail)
         def best_drafting(acceptance: float) -> float:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)

@@ -20,7 +20,8 @@ Ours, beyond the paper. Statistics leave out the steps that prefill a call's pro
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
 In generate() (StepContext.static_batch) exploitation multiplies latency(k > 0) by the wait for the
-batch's slowest row at the call's end (`straggler.stretch`, from the pooled acceptance by depth):
+batch's slowest row at the call's end (`straggler.stretch`, from the pooled acceptance by depth,
+over the rows that `straggler.FinishingRows` expects to still run at the end):
 the steps at the call's end with fewer rows land in other buckets, so no arm's own latency holds them.
 `prune=True`: exploration and exploitation skip arms that, with high confidence, lose to another
 arm (successive elimination), a bin whose k becomes such an arm ends early, and an exploring bin
@@ -133,6 +134,7 @@ class Nightjar(LengthPolicy):
         self.states: dict[int, _BatchState] = {}   # learned per batch size, kept across calls
         self.judged = [0] * (max_len + 1)   # by j: row-steps that asked for >= j drafts (all batch sizes)
         self.passed = [0] * (max_len + 1)   # by j: of which the first j drafts were accepted
+        self.finishing = straggler.FinishingRows()   # rows that can be a call's last
         self.previous_k = None
         self.drafted = False        # has this call drafted yet?
         self.switched = False
@@ -153,6 +155,8 @@ class Nightjar(LengthPolicy):
         return batch_size if self.buckets == "exact" else pow2_bucket(batch_size)
 
     def choose(self, ctx: StepContext) -> int:
+        if ctx.static_batch:
+            self.finishing.update(ctx)
         key = self._key(ctx.batch_size)
         state = self.states.get(key)
         if state is None:
@@ -234,10 +238,10 @@ class Nightjar(LengthPolicy):
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
             # shorter arm (`best_case`), so the arms in between are mostly pruned untried
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
-        passed = self._accepted() if ctx.static_batch else []
+        passed, finishing = (self._accepted(), self.finishing(ctx.batch_size)) if ctx.static_batch else ([], 1)
         best, best_value = 0, math.inf
         for k in arms:
-            tail = straggler.stretch(ctx.batch_size, ctx.remaining, passed[:k]) if k and passed else 1.0
+            tail = straggler.stretch(finishing, ctx.remaining, passed[:k]) if k and passed else 1.0
             value = state.latency(k) * tail + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value

@@ -10,7 +10,10 @@ last of B rows about
     r/mu + z_B sqrt(r var / mu^3),    z_B = E[max of B standard normals],
 so drafting takes `stretch` = 1 + z_B sqrt(var / (r mu)) times the steps its goodput promises
 (its tail steps costed as full ones: on an accelerator they nearly are). Serving replaces rows as
-they finish, so nothing waits there (StepContext.static_batch is False).
+they finish, so nothing waits there (StepContext.static_batch is False). Only rows still running
+near the call's end can be last: rows that stop early (EOS, a stopping criterion, outputs of very
+different lengths) wait for no one, so B is the share of rows that `FinishingRows` saw reach the
+end of earlier calls.
 """
 from __future__ import annotations
 
@@ -50,3 +53,31 @@ def stretch(batch: int, remaining: int, ar: list[float]) -> float:
         return 1.0
     mean, var = emission_moments(ar)
     return 1.0 + expected_max_normal(batch) * math.sqrt(var / (remaining * mean))
+
+
+class FinishingRows:
+    """The rows of a static batch that can be its last to finish, learned over calls: the share of
+    a call's rows still running when its longest row had an eighth of its budget left (a moving
+    average; 1 before any call, the worst case). Feed it every step's context (`update`)."""
+
+    def __init__(self):
+        self.share = 1.0
+        self.start = 0          # this call's rows and budget at its first step (0: none yet)
+        self.budget = 0
+        self.counted = True
+
+    def update(self, ctx) -> None:
+        if ctx.step == 0:
+            if not self.counted:         # the last call ended before its end phase: one row was last
+                self._learn(1 / self.start)
+            self.start, self.budget, self.counted = ctx.batch_size, ctx.remaining, not ctx.remaining
+        if not self.counted and ctx.remaining <= max(1, self.budget // 8):
+            self._learn(ctx.batch_size / self.start)
+            self.counted = True
+
+    def _learn(self, share: float) -> None:
+        self.share += 0.3 * (share - self.share)
+
+    def __call__(self, batch: int) -> int:
+        """Of `batch` active rows, how many may be the last to finish."""
+        return min(batch, max(1, round(self.share * self.start))) if self.start else batch
