@@ -183,6 +183,25 @@ def test_nightjar_explores_the_arms_that_could_still_win():
     assert statistics.fmean(regret) < 0.03, regret
 
 
+def test_nightjar_counts_a_step_cut_by_the_calls_end_for_the_arm_it_chose():
+    """Near a call's end the loop drafts no further than the longest row's room: that step's cost
+    is what choosing the arm cost (SmolLM2, int8: counted for the shorter arms, k = 4 looked
+    faster than plain per token while its calls were slower). A step run with another k for any
+    other reason (the draft offloaded: k = 0) counts as run."""
+    def counted(remaining, run_k):
+        policy = hf_specdec.Nightjar(max_len=4, prune=False)
+        ctx = StepContext(5, 2, 1, [0, 1], context_tokens=100, max_lag=1, remaining=remaining)
+        chosen = policy.choose(ctx)
+        policy.drafted = policy.measured = True                      # not the call's first drafts
+        accepted = [min(run_k, 1)] * 2
+        policy.observe(StepRecord(2, [0] * 2, run_k, [run_k] * 2, accepted, [a + 1 for a in accepted], 0.01, 0.02))
+        return chosen, policy.states[2].tokens
+    chosen, tokens = counted(remaining=3, run_k=2)
+    assert chosen > 2 and tokens[chosen] == 4 and tokens[2] == 0     # cut to 2 drafts: the chosen arm's
+    chosen, tokens = counted(remaining=50, run_k=0)
+    assert chosen > 0 and tokens[0] == 2 and tokens[chosen] == 0     # run plain for another reason: plain's
+
+
 def test_nightjar_decision_costs_under_20_microseconds():
     policy = hf_specdec.Nightjar(max_len=6)
     sim = Sim(policy)
