@@ -1,4 +1,4 @@
-"""Draft-length policies side by side across batch sizes: plain, fixed k = 1..6, Transformers'
+"""Draft-length policies side by side across batch sizes: plain, fixed k = 0..6, Transformers'
 heuristic and confidence schedules, DSD goodput, AdaSpec and Nightjar.
 
     python eval/bench_lengths.py --envs tiny-exact,tiny-useless,smollm2-bf16 --batch-sizes 1,2,4,8,16 \
@@ -14,7 +14,9 @@ profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy obj
 whole environment, so Nightjar learns per batch size across runs, as a server would; before the
 timed runs of a batch size, the learning policies get --learn-runs untimed runs of it. Besides the
 fixed batch sizes, a "changing" run starts --changing-rows rows whose output budgets range from 4
-tokens to --max-new-tokens, so the batch shrinks as rows finish.
+tokens to --max-new-tokens, so the batch shrinks as rows finish. fixed:0 decodes plain in our
+loop, which drops finished rows from the batch (Transformers' plain generate() keeps computing
+them until the last row is done): the control for what speculation itself adds there.
 Writes <out>.json, <out>.md (tokens/s per method and batch size, the oracle = best fixed k) and
 <out>.png (k chosen over time in the changing run). The .json also holds, per method, each timed
 run's drafting steps and, of the last run, k over time and `tail_share`: its time after the first
@@ -39,7 +41,7 @@ from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems  # eval/ is on sys.path when run as a script
 
 logger = logging.getLogger("bench_lengths")
-FIXED = range(1, 7)
+FIXED = range(0, 7)    # fixed:0: plain decoding in our loop
 LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar")   # policies whose state improves with use
 # plain-again: plain generate() timed a second time, a control whose ratio to plain is the noise floor
 METHODS = ["plain", "plain-again", *(f"fixed:{k}" for k in FIXED), "hf-heuristic", "hf-confidence", *LEARNING[1:]]
