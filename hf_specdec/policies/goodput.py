@@ -222,11 +222,12 @@ class AdaSpec(LengthPolicy):
         # In a static batch (generate()) drafting also pays the wait for its slowest row at the
         # call's end (`straggler`; tiny pair, B=16, all rows running to the end: ~10%).
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
+        finishing = self.finishing(batch) if ctx.static_batch else 1      # 1 row: no wait
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
-            tail = straggler.stretch(self.finishing(batch), ctx.remaining, ar) if ctx.static_batch else 1.0
+            tail = straggler.stretch(finishing, ctx.remaining, ar)
             return self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch, spread, tail)
         def best_drafting(acceptance: float) -> float:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
@@ -248,24 +249,25 @@ class AdaSpec(LengthPolicy):
         # optimistic estimate right (a near-tie at B=16 is not worth a probe every 8 steps); sure,
         # by `probe_budget` of their time (SmolLM2, int8 draft: a call's first probe cost ~6 plain steps).
         self.idle += 1
+        if self.idle < self.probe_every:                 # probe_gap >= probe_every: no probe yet
+            return 0
         plain_s = self.model.step_time(batch, ctx.context_tokens, 0, [0] * batch)
-        if self.idle >= self.probe_every:
-            upside = best_drafting(self.optimistic_acceptance()) / plain - 1
-            if upside > 0 and self.idle * upside * plain_s >= self._probe_loss(ctx, catch_up):
-                self.idle, self.probing = 0, True
-        if not self.probing and self.idle >= self.probe_gap and best_drafting(1.0) > plain \
-                and self.idle * self.probe_budget * plain_s >= self._probe_loss(ctx, catch_up):
+        loss = self._probe_loss(ctx, catch_up, plain_s)
+        upside = best_drafting(self.optimistic_acceptance()) / plain - 1
+        if upside > 0 and self.idle * upside * plain_s >= loss:
+            self.idle, self.probing = 0, True
+        elif self.idle >= self.probe_gap and best_drafting(1.0) > plain \
+                and self.idle * self.probe_budget * plain_s >= loss:
             self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
             self.probing = True
         return self.max_len if self.probing else 0
 
-    def _probe_loss(self, ctx: StepContext, catch_up: float) -> float:
+    def _probe_loss(self, ctx: StepContext, catch_up: float, plain_s: float) -> float:
         """Seconds a probe (max_len drafts, all verified, after the draft's catch-up) costs beyond
-        the plain steps that would emit its expected tokens, at the current acceptance guess."""
-        batch, context = ctx.batch_size, ctx.context_tokens
-        probe_s = self.model.step_time(batch, context, self.max_len, [self.max_len] * batch) + catch_up
-        tokens = 1 + sum(_cumulative([self.guess] * self.max_len))
-        return probe_s - tokens * self.model.step_time(batch, context, 0, [0] * batch)
+        the plain steps (plain_s each) that would emit its expected tokens, at the current guess."""
+        batch = ctx.batch_size
+        probe_s = self.model.step_time(batch, ctx.context_tokens, self.max_len, [self.max_len] * batch) + catch_up
+        return probe_s - (1 + sum(_cumulative([self.guess] * self.max_len))) * plain_s
 
     def optimistic_acceptance(self) -> float:
         """An upper confidence bound of the guess: + sqrt(ln(1/delta) / 2n) over the n drafts judged

@@ -206,19 +206,21 @@ class Nightjar(LengthPolicy):
     def _accepted_ub(self) -> list[float]:
         """By k: an upper confidence bound of the tokens a row emits per step with k drafts,
         1 + sum_{j<=k} u_j, u_j bounding P(first j drafts accepted), non-increasing in j."""
-        out, u = [1.0], 1.0
-        for j in range(1, self.max_len + 1):
-            if self.judged[j]:
-                u = min(u, self.passed[j] / self.judged[j] + _radius(self.judged[j]))
+        out = [1.0]
+        for u in self._pass_rates(optimistic=True):
             out.append(out[-1] + u)
         return out
 
-    def _accepted(self) -> list[float]:
-        """By j = 1..max_len: the measured P(a row's first j drafts are accepted), non-increasing
-        (0 past the depths judged so far)."""
+    def _pass_rates(self, optimistic: bool) -> list[float]:
+        """By j = 1..max_len: P(a row's first j drafts are accepted), non-increasing in j: as
+        measured, or (optimistic) an upper confidence bound of it. A depth not judged yet: the
+        bound of the depth before it (optimistic), else 0."""
         out, p = [], 1.0
         for j in range(1, self.max_len + 1):
-            p = min(p, self.passed[j] / self.judged[j]) if self.judged[j] else 0.0
+            if self.judged[j]:
+                p = min(p, self.passed[j] / self.judged[j] + (_radius(self.judged[j]) if optimistic else 0.0))
+            elif not optimistic:
+                p = 0.0
             out.append(p)
         return out
 
@@ -241,7 +243,7 @@ class Nightjar(LengthPolicy):
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
             # shorter arm (`best_case`), so the arms in between are mostly pruned untried
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
-        passed, finishing = (self._accepted(), self.finishing(ctx.batch_size)) if ctx.static_batch else ([], 1)
+        passed, finishing = (self._pass_rates(optimistic=False), self.finishing(ctx.batch_size)) if ctx.static_batch else ([], 1)
         best, best_value = 0, math.inf
         for k in arms:
             tail = straggler.stretch(finishing, ctx.remaining, passed[:k]) if k and passed else 1.0
