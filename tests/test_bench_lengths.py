@@ -1,0 +1,36 @@
+"""eval/bench_lengths.py: the confirming round's paired ratios, and a tiny run end to end."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "eval"))     # bench_lengths imports its eval/ neighbours by name
+import bench_lengths  # noqa: E402
+
+
+def test_paired_speed_is_the_median_of_per_round_ratios_with_an_interval_around_it():
+    exact = bench_lengths.paired_speed([2.0] * 5, [1.0] * 5)
+    assert exact == {"median": 2.0, "ci90": [2.0, 2.0]}
+    # a slow spell hits both methods of a round alike: paired, it cancels
+    spells = [1.0, 1.5, 0.8, 1.2, 1.0, 2.0, 0.9, 1.1]
+    paired = bench_lengths.paired_speed([s * 1.1 for s in spells], spells)
+    assert paired["median"] == 1.1 and paired["ci90"] == [1.1, 1.1]
+    noisy = bench_lengths.paired_speed([1.0, 1.2, 0.9, 1.1, 1.05, 0.95], [1.0] * 6)
+    lo, hi = noisy["ci90"]
+    assert lo < noisy["median"] < hi and lo >= 0.9 and hi <= 1.2
+
+
+def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path):
+    out = tmp_path / "bench"
+    bench_lengths.main(["--envs", "tiny-useless", "--batch-sizes", "1", "--changing-rows", "0",
+                        "--max-new-tokens", "4", "--repeats", "1", "--confirm-repeats", "2", "--learn-runs", "0",
+                        "--methods", "fixed:1,nightjar", "--out", str(out)])
+    batch = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]["1"]
+    oracle, confirm = batch["oracle"], batch["confirm"]
+    assert oracle in ("plain", "fixed:1")
+    assert set(confirm) == {"plain", oracle, "nightjar"}
+    for row in confirm.values():
+        assert len(row["seconds"]) == 2 and row["identical_to_plain"]
+    assert confirm[oracle]["x_oracle"] == {"median": 1.0, "ci90": [1.0, 1.0]}
+    assert confirm["plain"]["x_plain"]["median"] == 1.0
+    assert "confirming round" in out.with_suffix(".md").read_text()
