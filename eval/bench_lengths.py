@@ -180,8 +180,9 @@ def run_env(name, args, save=lambda results: None) -> dict:
         for _ in range(args.learn_runs):          # learning policies see this batch size first, untimed
             for m in (m for m in LEARNING if m in methods):
                 run(model, drafter, methods[m], inputs, args, criteria)
-        outs, times, drafting = timed_rounds(list(methods), args.repeats, f"{name} batch={batch}",
-                                             lambda m: run(model, drafter, methods[m], inputs, args, criteria))
+        def run_one(m, inputs=inputs, criteria=criteria):
+            return run(model, drafter, methods[m], inputs, args, criteria)
+        outs, times, drafting = timed_rounds(list(methods), args.repeats, f"{name} batch={batch}", run_one)
         plain = outs["plain"].sequences
         tokens = new_tokens(outs["plain"], prompt_len, eos)
         rows_out = {}
@@ -217,7 +218,7 @@ def run_env(name, args, save=lambda results: None) -> dict:
             # fresh runs of the chosen oracle beside plain and every method that is not a fixed k
             confirm = ["plain"] + [m for m in methods if m != "plain" and (m == oracle or m not in fixed)]
             c_outs, c_times, _ = timed_rounds(confirm, args.confirm_repeats, f"{name} batch={batch} confirm",
-                                              lambda m: run(model, drafter, methods[m], inputs, args, criteria))
+                                              run_one)
             results["batches"][key]["confirm"] = {m: {
                 "seconds": [round(t, 4) for t in c_times[m]],
                 "x_oracle": paired_speed(c_times[oracle], c_times[m]),
@@ -252,9 +253,10 @@ def markdown(all_results: dict, args) -> str:
         confirmed = [b for b in batches if "confirm" in res["batches"][b]]
         if confirmed:
             shown = list(dict.fromkeys(m for b in confirmed for m in res["batches"][b]["confirm"]))
-            lines += [f"### {env}: confirming round, {args.confirm_repeats} fresh interleaved runs: speed x oracle "
-                      "/ x plain, medians of per-run ratios [bootstrap 90% interval of x oracle]", "",
-                      "| method | " + " | ".join(f"B={b} ({res['batches'][b]['oracle']})" for b in confirmed) + " |",
+            lines += [f"### {env}: confirming round, {args.confirm_repeats} fresh interleaved runs: speed "
+                      "x oracle / x plain, medians of per-run ratios [bootstrap 90% interval of x oracle]", "",
+                      "| method | " + " | ".join(f"B={b} ({res['batches'][b]['oracle']})"
+                                               for b in confirmed) + " |",
                       "|---|" + "---:|" * len(confirmed)]
             for m in shown:
                 cells = []
@@ -263,9 +265,9 @@ def markdown(all_results: dict, args) -> str:
                     if r is None:
                         cells.append("")
                         continue
-                    lo, hi = r["x_oracle"]["ci90"]
-                    mark = "" if r["identical_to_plain"] else " ≠"
-                    cells.append(f"{r['x_oracle']['median']:.2f} / {r['x_plain']['median']:.2f} [{lo:.2f}, {hi:.2f}]{mark}")
+                    (lo, hi), mark = r["x_oracle"]["ci90"], "" if r["identical_to_plain"] else " ≠"
+                    cells.append(f"{r['x_oracle']['median']:.2f} / {r['x_plain']['median']:.2f} "
+                                 f"[{lo:.2f}, {hi:.2f}]{mark}")
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines) + "\n"
@@ -317,7 +319,8 @@ def main(argv=None):
     parser.add_argument("--max-len", type=int, default=6, help="largest k of the adaptive policies")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--confirm-repeats", type=int, default=10,
-                        help="fresh interleaved runs of plain, the chosen oracle and the non-fixed methods (0: none)")
+                        help="fresh interleaved runs of plain, the chosen oracle and the non-fixed methods "
+                             "(0: none)")
     parser.add_argument("--learn-runs", type=int, default=2,
                         help="untimed runs of the learning policies per batch size before timing (0: none)")
     parser.add_argument("--changing-rows", type=int, default=16,

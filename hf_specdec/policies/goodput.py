@@ -266,7 +266,8 @@ class AdaSpec(LengthPolicy):
         """Seconds a probe (max_len drafts, all verified, after the draft's catch-up) costs beyond
         the plain steps (plain_s each) that would emit its expected tokens, at the current guess."""
         batch = ctx.batch_size
-        probe_s = self.model.step_time(batch, ctx.context_tokens, self.max_len, [self.max_len] * batch) + catch_up
+        drafts = self.max_len
+        probe_s = catch_up + self.model.step_time(batch, ctx.context_tokens, drafts, [drafts] * batch)
         return probe_s - (1 + sum(_cumulative([self.guess] * self.max_len))) * plain_s
 
     def optimistic_acceptance(self) -> float:

@@ -243,7 +243,9 @@ class Nightjar(LengthPolicy):
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
             # shorter arm (`best_case`), so the arms in between are mostly pruned untried
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
-        passed, finishing = (self._pass_rates(optimistic=False), self.finishing(ctx.batch_size)) if ctx.static_batch else ([], 1)
+        passed, finishing = [], 1
+        if ctx.static_batch:
+            passed, finishing = self._pass_rates(optimistic=False), self.finishing(ctx.batch_size)
         best, best_value = 0, math.inf
         for k in arms:
             tail = straggler.stretch(finishing, ctx.remaining, passed[:k]) if k and passed else 1.0
