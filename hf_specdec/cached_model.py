@@ -50,8 +50,9 @@ class CachedModel:
     def num_slots(self) -> int:
         return self.slot_mask.shape[1]
 
-    def lag(self, batch: SequenceBatch) -> torch.Tensor:
-        return batch.lengths[batch.active] - self.fed
+    def lag(self, batch: SequenceBatch, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens each active row has not fed yet [n]; lengths: the active rows' [n], if at hand."""
+        return (batch.lengths[batch.active] if lengths is None else lengths) - self.fed
 
     def pending(self, batch: SequenceBatch, end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens each row has not fed yet (up to `end` [n], default its length), right-aligned with

@@ -129,34 +129,38 @@ class _Loop:
         selector.prime({row: gammas[i].tolist() for i, row in enumerate(rows.tolist())})
         return time.perf_counter() - t0
 
-    def context(self, step: int) -> StepContext:
+    def context(self, step: int, lengths: torch.Tensor | None = None) -> StepContext:
+        """What the policy sees before step `step`; lengths: the active rows' [n], if at hand.
+        Also sets `least_room` and `longest` (the loop's own use of the same numbers)."""
         batch, rows = self.batch, self.batch.active
-        lengths = batch.lengths[rows]
+        lengths = batch.lengths[rows] if lengths is None else lengths
+        to_limit = self.limit[rows] - lengths
         # one host sync for every number (a plain step on a small model is ~10 ms: this runs each step)
-        numbers = [(lengths - batch.real_start(rows)).sum(), (self.limit[rows] - lengths).max()]
-        numbers += [d.runner.lag(batch).max() for d in self.drafters if isinstance(d, ModelDrafter)]
-        context_tokens, remaining, *lags = torch.stack(numbers).tolist()
+        numbers = [(lengths - batch.real_start(rows)).sum(), to_limit.max(), to_limit.min(), lengths.max()]
+        numbers += [d.runner.lag(batch, lengths).max() for d in self.drafters if isinstance(d, ModelDrafter)]
+        context_tokens, remaining, least, self.longest, *lags = torch.stack(numbers).tolist()
+        self.least_room = least - 1                     # drafts that fit in every row
         return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
                            max_lag=max(lags, default=0), remaining=remaining, static_batch=self.static_batch)
 
     def step(self, index: int) -> StepRecord:
         begin = time.perf_counter()
         batch, rows = self.batch, self.batch.active
-        ctx = self.context(index)
+        start = batch.lengths[rows]                                       # [n] (indexing copies)
+        ctx = self.context(index, start)
         decision = self.policy.choose(ctx)
-        start = batch.lengths[rows].clone()                               # [n]
-        room = self.limit[rows] - start - 1                               # drafts that fit
         k = max(0, min(decision.length, ctx.remaining - 1))               # no draft past the longest room
         offload = self.policy.offload
         if offload is not None and not offload.step(ctx, k):             # drafts not on the device
             k = 0
-        batch.reserve(k + 1)
+        batch.reserve(k + 1, self.longest)
         choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
 
         t0 = time.perf_counter()
         drafter_s = {}
         if k:
             proposal = self.propose(choice, k, drafter_s)
+            room = self.limit[rows] - start - 1                           # drafts that fit
             draft_lens = torch.minimum(proposal.lengths, room)
             if self._trims:      # a drafter without confidences (n-gram lookup) is certain: 1.0
                 confidence = proposal.confidence if proposal.confidence is not None else \
@@ -175,7 +179,7 @@ class _Loop:
         self._sync()
 
         t1 = time.perf_counter()
-        pending, real = self.target.pending(batch)
+        pending, real = self.target.pending(batch, start)
         spec_start = self.target.num_slots + pending.shape[1]
         if width:
             draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
@@ -192,17 +196,26 @@ class _Loop:
         self._sync()
         t2 = time.perf_counter()
 
-        batch.tokens[rows, start + result.num_accepted] = result.next_tokens
-        emitted = self.cut_at_stops(start, result.num_accepted + 1)
+        # a plain step (no drafts verified) knows its per-row numbers without reading them back
+        if width:
+            proposed, accepted = draft_lens.tolist(), result.num_accepted.tolist()
+            batch.tokens[rows, start + result.num_accepted] = result.next_tokens
+        else:
+            proposed = accepted = [0] * len(rows)
+            batch.tokens[rows, start] = result.next_tokens
+        emitted, stopped = self.cut_at_stops(start, result.num_accepted + 1, width + 1)
         batch.lengths[rows] = start + emitted
-        record = StepRecord(len(rows), choice, k, draft_lens.tolist(), result.num_accepted.tolist(),
-                            emitted.clamp(min=0).tolist(), t1 - t0, t2 - t1, rows.tolist(), drafter_s,
-                            step=index, lag=ctx.max_lag)
-        keep = self.retire_finished()
+        emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
+        record = StepRecord(len(rows), choice, k, proposed, accepted, emitted, t1 - t0, t2 - t1, ctx.rows,
+                            drafter_s, step=index, lag=ctx.max_lag)
+        # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
+        keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
         record.overhead_s = time.perf_counter() - begin - (t2 - t0)
         resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
         if len(batch.active) and resident and self.policy.wants_feedback(index):
-            self.feedback(record, start[keep], scores[keep])
+            if keep is not None:
+                start, scores = start[keep], scores[keep]
+            self.feedback(record, start, scores)
         return record
 
     def propose(self, choice: list[int], k: int, drafter_s: dict) -> Proposal:
@@ -243,18 +256,20 @@ class _Loop:
         record.gammas = {row: gammas[i, :count[i]].tolist() for i, row in enumerate(self.batch.active.tolist())}
         record.replay_s = dict(enumerate(seconds))
 
-    def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+    def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor,
+                     most: int | None = None) -> tuple[torch.Tensor, bool]:
         """Check the stopping criteria after each new token, as generate() does per step; returns
-        the number of new tokens each row keeps [n]."""
+        the number of new tokens each row keeps [n] and whether any row stopped. most: the
+        largest `emitted`, if known (saves a host sync)."""
         rows = self.batch.active
         if self._plain_criteria:
-            stopped = self._plain_stops(start, emitted)
+            stopped = self._plain_stops(start, emitted, int(emitted.max()) if most is None else most)
             if stopped is None:
-                return emitted
+                return emitted, False
         else:
             stopped = self._stops_by_call(start, emitted)
             if max(stopped) < 0:             # nothing stopped (most steps): nothing to write or cut
-                return emitted
+                return emitted, False
             stopped = torch.tensor(stopped, device=rows.device)
         self.stopped_at[rows] = stopped
         if self.freeze_finished:
@@ -265,7 +280,7 @@ class _Loop:
             self.limit[:] = int(self.stopped_at.max())
             self.batch.lengths.clamp_(max=int(self.limit[0]))
             emitted = torch.minimum(emitted, self.limit[rows] - start)
-        return emitted
+        return emitted, True
 
     def _stops_by_call(self, start: torch.Tensor, emitted: torch.Tensor) -> list[int]:
         """Any criteria: one call per distinct prefix length, grouped in Python. Returns per active
@@ -285,17 +300,17 @@ class _Loop:
                         stopped[i] = length
         return stopped
 
-    def _plain_stops(self, start: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor | None:
+    def _plain_stops(self, start: torch.Tensor, emitted: torch.Tensor, most: int) -> torch.Tensor | None:
         """generate()'s own criteria (max length, EOS) judged for every new token at once, as the
         calls above would (they see only the length and the last token): a step that emits k + 1
         tokens per row at different lengths would otherwise cost up to (k + 1) x rows criteria calls.
         None if no row stopped (active rows never had: a stop here retires its row)."""
         rows, tokens = self.batch.active, self.batch.tokens
-        offsets = torch.arange(int(emitted.max()), device=start.device)
+        offsets = torch.arange(most, device=start.device)
         positions = (start[:, None] + offsets).clamp_(max=tokens.shape[1] - 1)   # [n, j]: the j-th new token
         hit = positions + 1 >= self._max_length
         if self._eos is not None:
-            hit |= torch.isin(tokens[rows].gather(1, positions), self._eos)
+            hit |= torch.isin(tokens[rows[:, None], positions], self._eos)
         hit &= offsets < emitted[:, None]
         if not bool(hit.any()):
             return None

@@ -49,9 +49,10 @@ class SequenceBatch:
         index = start[:, None] + torch.arange(values.shape[1], device=values.device)
         self.tokens[rows[:, None], index] = values
 
-    def reserve(self, width: int) -> None:
-        """Make room for `width` tokens past the longest row (drafts are written as scratch)."""
-        short = int(self.lengths.max()) + width - self.capacity
+    def reserve(self, width: int, longest: int | None = None) -> None:
+        """Make room for `width` tokens past the longest row (drafts are written as scratch);
+        longest: the longest row's length, if known."""
+        short = (int(self.lengths.max()) if longest is None else longest) + width - self.capacity
         if short > 0:
             self.tokens = torch.nn.functional.pad(self.tokens, (0, short + self.GROWTH), value=self.pad_token_id)
 

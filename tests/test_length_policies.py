@@ -409,7 +409,10 @@ def test_adaspec_verification_is_the_best_of_every_per_row_choice(slo):
         lengths = policy.verify_lengths(confidences)
 
         def goodput(choice):
-            return policy.model.goodput(batch, 64 * batch, 4, [row[:n] for row, n in zip(ar, choice)])
+            seconds = policy.model.step_time(batch, 64 * batch, 4, batch + sum(choice))
+            if slo is not None and seconds > slo:
+                return -1.0
+            return sum(1 + sum(row[:n]) for row, n in zip(ar, choice)) / seconds
         best = max(goodput(c) for c in itertools.product(range(5), repeat=batch))
         assert goodput(lengths) == pytest.approx(best), (trial, lengths, confidences)
 
@@ -438,7 +441,7 @@ def test_adaspec_drafts_when_a_longer_draft_pays_though_one_does_not():
     ctx = StepContext(5, 1, 1, [0], context_tokens=64)
 
     def goodput(j):
-        return policy.model.goodput(1, 64, j, [[0.9 ** i for i in range(1, j + 1)]])
+        return policy.model.goodput(1, 64, j, [0.9 ** i for i in range(1, j + 1)])
     assert goodput(1) < goodput(0) < max(goodput(j) for j in range(2, 7))
     assert policy.choose(ctx) > 0
 
@@ -450,12 +453,12 @@ def test_goodput_model_learns_a_drafting_steps_fixed_cost():
     model's own best length where longer drafts amortise the fixed cost."""
     model = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False).model
     def truth(k):
-        return 0.9 * model._modelled(1, 64, k, [k]) + (0.008 if k else 0.0)
+        return 0.9 * model._modelled(1, 64, k, k + 1) + (0.008 if k else 0.0)
     for step in range(1, 40):
         k = 2 if step % 3 else 0
         model.learn(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, truth(k), step=step, lag=1), 64)
     for k in range(7):
-        assert model.step_time(1, 64, k, [k]) == pytest.approx(truth(k), rel=0.02), k
+        assert model.step_time(1, 64, k, k + 1) == pytest.approx(truth(k), rel=0.02), k
 
 
 def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
@@ -500,8 +503,8 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
             if k:
                 steps.append(step)
                 policy.verify_lengths([[0.02] * k] * batch)
-            seconds = policy.model.step_time(batch, 64 * batch, k, [k] * batch)
-            plain_seconds = policy.model.step_time(batch, 64 * batch, 0, [0] * batch)
+            seconds = policy.model.step_time(batch, 64 * batch, k, (k + 1) * batch)
+            plain_seconds = policy.model.step_time(batch, 64 * batch, 0, batch)
             lost, plain = (lost + seconds - plain_seconds, plain) if k else (lost, plain + seconds)
             policy.observe(StepRecord(batch, rows, k, [k] * batch, rows, [1] * batch, 0.0, seconds, step=step))
         return [b - a for a, b in zip(steps, steps[1:])], lost / plain
@@ -526,7 +529,7 @@ def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():
         policy.ctx = ctx
         if n:
             n = policy.verify_lengths([[0.05] * n])[0]
-        seconds = policy.model._modelled(1, 64, n, [n], lag) * 0.7
+        seconds = policy.model._modelled(1, 64, n, n + 1, lag) * 0.7
         policy.observe(StepRecord(1, [0 if n else -1], 6 if n else 0, [n], [n], [n + 1], 0.0, seconds,
                                   step=step, lag=lag))
         lag = 2 if n else lag + 1
@@ -554,9 +557,9 @@ def test_goodput_policies_correct_the_latency_model_with_measured_steps():
     for policy in (hf_specdec.DSDGoodput(prof), hf_specdec.AdaSpec(prof, calibrate=False, prior_confidence=0.7)):
         k = policy.choose(ctx)
         assert k > 0
-        modelled = policy.model.step_time(1, 64, k, [k])
+        modelled = policy.model.step_time(1, 64, k, k + 1)
         outliers = [StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=0),          # prefill
-                    StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, policy.model.step_time(1, 64, k, [k], lag=40),
+                    StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, policy.model.step_time(1, 64, k, k + 1, lag=40),
                                step=5, lag=40)]                                                   # catch-up
         for record in outliers:
             policy.observe(record)

@@ -53,18 +53,20 @@ class _GoodputModel:
         self.ratio: dict[int, tuple[float, int]] = {}   # bucket -> (plain steps' measured / modelled, steps)
         self.extra: dict[int, tuple[float, int]] = {}   # bucket -> (drafting steps' excess seconds, steps)
 
-    def _modelled(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
+    def _modelled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
         # the first draft forward also feeds what the draft missed: `lag` tokens per row (1 in steady
         # state; a whole stretch of plain steps after speculation was off)
         draft = sum(self.profile.draft.forward_time(context + i * batch, batch * (max(lag, 1) if i == 0 else 1))
                     for i in range(drafted))
-        return draft + self.profile.target.forward_time(context, sum(v + 1 for v in verified))
+        return draft + self.profile.target.forward_time(context, fed)
 
-    def _scaled(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
-        return self.ratio.get(pow2_bucket(batch), (1.0, 0))[0] * self._modelled(batch, context, drafted, verified, lag)
+    def _scaled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
+        return self.ratio.get(pow2_bucket(batch), (1.0, 0))[0] * self._modelled(batch, context, drafted, fed, lag)
 
-    def step_time(self, batch: int, context: int, drafted: int, verified: list[int], lag: int = 1) -> float:
-        seconds = self._scaled(batch, context, drafted, verified, lag)
+    def step_time(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
+        """Seconds of a step of `batch` rows holding `context` tokens that runs `drafted` draft
+        forwards and feeds the target `fed` tokens (each row's pending one + its verified drafts)."""
+        seconds = self._scaled(batch, context, drafted, fed, lag)
         if drafted:   # an excess below 0 (the model's slope too steep) would make short drafts look free
             seconds += max(self.extra.get(pow2_bucket(batch), (0.0, 0))[0], 0.0)
         return seconds
@@ -74,7 +76,7 @@ class _GoodputModel:
         beyond its usual one (at a call's first drafting step: the prompt)."""
         if lag <= 1:
             return 0.0
-        return self._scaled(batch, context, 1, [0] * batch, lag) - self._scaled(batch, context, 1, [0] * batch)
+        return self._scaled(batch, context, 1, batch, lag) - self._scaled(batch, context, 1, batch)
 
     def learn(self, record: StepRecord, context: int, drafted: int | None = None) -> None:
         """Fold a measured step into the correction, its draft catch-up modelled too (probes after
@@ -85,11 +87,12 @@ class _GoodputModel:
         if drafted is None:
             drafted = max(record.proposed) if record.k else 0
         bucket = pow2_bucket(record.batch_size)
+        fed = record.batch_size + sum(record.proposed)
         if drafted:
             table = self.extra
-            value = record.seconds - self._scaled(record.batch_size, context, drafted, record.proposed, record.lag)
+            value = record.seconds - self._scaled(record.batch_size, context, drafted, fed, record.lag)
         else:
-            modelled = self._modelled(record.batch_size, context, 0, record.proposed)
+            modelled = self._modelled(record.batch_size, context, 0, fed)
             if modelled <= 0:
                 return
             table, value = self.ratio, record.seconds / modelled
@@ -97,16 +100,16 @@ class _GoodputModel:
         weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
         table[bucket] = (mean + weight * (value - mean), n + 1)
 
-    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]], spread: float = 0.0,
+    def goodput(self, batch: int, context: int, drafted: int, ar: list[float], spread: float = 0.0,
                 stretch: float = 1.0) -> float:
-        """ar[b] = acceptance estimates of the drafts row b verifies; spread: seconds charged beyond
-        the step's own (a one-off cost shared with later steps: not judged against the SLO);
-        stretch: steps taken per step the rate promises (a static batch's tail, `straggler`); -1
-        when the step is over the SLO."""
-        seconds = self.step_time(batch, context, drafted, [len(row) for row in ar])
+        """Of a step in which every row verifies drafts with acceptance estimates ar; spread:
+        seconds charged beyond the step's own (a one-off cost shared with later steps: not judged
+        against the SLO); stretch: steps taken per step the rate promises (a static batch's tail,
+        `straggler`); -1 when the step is over the SLO."""
+        seconds = self.step_time(batch, context, drafted, batch * (len(ar) + 1))
         if self.slo_tpot is not None and seconds > self.slo_tpot:
             return -1.0
-        return sum(1.0 + sum(row) for row in ar) / (seconds * stretch + spread)
+        return batch * (1.0 + sum(ar)) / (seconds * stretch + spread)
 
     def best_verification(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> tuple[list[int], float]:
         """The verify lengths per row that maximise goodput once `drafted` draft forwards are run, and
@@ -114,8 +117,8 @@ class _GoodputModel:
         tokens, T = T0 + g n, so a draft with estimate a raises goodput (B + sum a) / T iff
         a > g x goodput: take drafts in falling order of a while that holds (AR falls along a row, so
         each row keeps a prefix). O(B k log(B k)), not the O(B^2 k^2) of dropping one at a time."""
-        base = self.step_time(batch, context, drafted, [0] * batch)
-        per_token = self.step_time(batch, context, drafted, [1] + [0] * (batch - 1)) - base
+        base = self.step_time(batch, context, drafted, batch)
+        per_token = self.step_time(batch, context, drafted, batch + 1) - base
         if self.slo_tpot is not None and base > self.slo_tpot:
             return [0] * batch, -1.0
         lengths, gained, kept = [0] * batch, 0.0, 0
@@ -203,7 +206,7 @@ class AdaSpec(LengthPolicy):
         self.probe_budget = probe_budget
         self.idle = 0                                            # steps since the last drafting step
         self.probing = False                                     # this step drafts to measure
-        self.guess = prior_confidence                            # this step's mean_acceptance()
+        self.guess = prior_confidence          # mean_acceptance(), updated when drafts are verified
         self.probe_gap = self.probe_every                        # idle steps before the next probe
         self.finishing = straggler.FinishingRows()                # rows that can be a call's last
         self.ctx: StepContext | None = None
@@ -228,13 +231,12 @@ class AdaSpec(LengthPolicy):
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
             tail = straggler.stretch(finishing, ctx.remaining, ar)
-            return self.model.goodput(batch, ctx.context_tokens, drafts, [ar] * batch, spread, tail)
+            return self.model.goodput(batch, ctx.context_tokens, drafts, ar, spread, tail)
         def best_drafting(acceptance: float) -> float:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
             # can make one draft lose where two or three win
             return max(goodput(j, acceptance) for j in range(1, self.max_len + 1))
         plain = goodput(0, 1.0)
-        self.guess = self.mean_acceptance()      # fixed within the step: calibration learns in observe
         if best_drafting(self.guess) > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
@@ -251,7 +253,7 @@ class AdaSpec(LengthPolicy):
         self.idle += 1
         if self.idle < self.probe_every:                 # probe_gap >= probe_every: no probe yet
             return 0
-        plain_s = self.model.step_time(batch, ctx.context_tokens, 0, [0] * batch)
+        plain_s = self.model.step_time(batch, ctx.context_tokens, 0, batch)
         loss = self._probe_loss(ctx, catch_up, plain_s)
         upside = best_drafting(self.optimistic_acceptance()) / plain - 1
         if upside > 0 and self.idle * upside * plain_s >= loss:
@@ -267,7 +269,7 @@ class AdaSpec(LengthPolicy):
         the plain steps (plain_s each) that would emit its expected tokens, at the current guess."""
         batch = ctx.batch_size
         drafts = self.max_len
-        probe_s = catch_up + self.model.step_time(batch, ctx.context_tokens, drafts, [drafts] * batch)
+        probe_s = catch_up + self.model.step_time(batch, ctx.context_tokens, drafts, batch * (drafts + 1))
         return probe_s - (1 + sum(_cumulative([self.guess] * self.max_len))) * plain_s
 
     def optimistic_acceptance(self) -> float:
@@ -305,9 +307,12 @@ class AdaSpec(LengthPolicy):
         # drafts dropped before verification were still drafted: the step is a drafting one
         drafted = max((len(row) for row in self.verified), default=0) if self.verified is not None else 0
         self.model.learn(record, self.ctx.context_tokens, drafted)
-        if self.verified is not None and isinstance(self.calibration, Calibration):
+        if self.verified is None:
+            return
+        if isinstance(self.calibration, Calibration):
             for confidences, accepted, proposed in zip(self.verified, record.accepted, record.proposed):
                 self.calibration.update(confidences, accepted, proposed)
+        self.guess = self.mean_acceptance()      # fixed within a step (drafting reads it)
 
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         self.verified = confidences
@@ -338,7 +343,7 @@ class DSDGoodput(LengthPolicy):
         self.context = ctx.context_tokens
         def value(k):
             ar = [self.alpha ** i for i in range(1, k + 1)]
-            return self.model.goodput(ctx.batch_size, ctx.context_tokens, k, [ar] * ctx.batch_size)
+            return self.model.goodput(ctx.batch_size, ctx.context_tokens, k, ar)
         return max(range(self.max_len + 1), key=value)
 
     def observe(self, record: StepRecord) -> None:
