@@ -37,7 +37,8 @@ def optimum(batch, max_len=6):
 
 
 class Sim:
-    """Plays a length policy against the simulated environment; rows emit the expected tokens."""
+    """Plays a length policy against the simulated environment; drafts are accepted independently
+    with probability alpha each (expected_tokens(k) per row and step)."""
 
     def __init__(self, policy, switch_seconds=0.0, seed=0, alpha=ALPHA, plain_stalls=()):
         self.policy, self.switch_seconds, self.alpha = policy, switch_seconds, alpha
@@ -51,6 +52,12 @@ class Sim:
         budget: the call's max_new_tokens, told to the policy as StepContext.remaining (0: unknown)."""
         self.step, self.lag, self.previous_k, self.remaining = 0, prompt_len, 0, budget
         self.policy.begin(StepContext(0, batch, 1, list(range(batch)), remaining=budget))
+
+    def accepted(self, k):
+        for j in range(k):
+            if self.rng.random() >= self.alpha:
+                return j
+        return k
 
     def run(self, batch, steps):
         for _ in range(steps):
@@ -66,9 +73,8 @@ class Sim:
                 seconds += self.switch_seconds            # the draft catches up its lag
                 drafting += self.switch_seconds
             self.lag = self.lag + 1 if k == 0 else 0
-            # each row emits floor or ceil of the expected tokens, at the rate that makes it exact on average
-            whole, frac = divmod(expected_tokens(k, self.alpha), 1)
-            emitted = [int(whole) + (self.rng.random() < frac) for _ in range(batch)]
+            # each draft is accepted with probability alpha, and a row keeps drafts up to its first rejection
+            emitted = [1 + self.accepted(k) for _ in range(batch)]
             self.policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, [e - 1 for e in emitted],
                                            emitted, drafting, seconds - drafting))
             self.choices.append((batch, k))
@@ -195,11 +201,11 @@ def test_nightjar_counts_a_step_cut_by_the_calls_end_for_the_arm_it_chose():
         policy.drafted = policy.measured = True                      # not the call's first drafts
         accepted = [min(run_k, 1)] * 2
         policy.observe(StepRecord(2, [0] * 2, run_k, [run_k] * 2, accepted, [a + 1 for a in accepted], 0.01, 0.02))
-        return chosen, policy.states[2].tokens
-    chosen, tokens = counted(remaining=3, run_k=2)
-    assert chosen > 2 and tokens[chosen] == 4 and tokens[2] == 0     # cut to 2 drafts: the chosen arm's
-    chosen, tokens = counted(remaining=50, run_k=0)
-    assert chosen > 0 and tokens[0] == 2 and tokens[chosen] == 0     # run plain for another reason: plain's
+        return chosen, policy.states[2].depths               # by arm, by drafts verified: row-steps
+    chosen, depths = counted(remaining=3, run_k=2)
+    assert chosen > 2 and depths[chosen][2] == 2 and not any(depths[2])   # cut to 2 drafts: the chosen arm's
+    chosen, depths = counted(remaining=50, run_k=0)
+    assert chosen > 0 and depths[0][0] == 2 and not any(depths[chosen])   # run plain for another reason: plain's
 
 
 def test_nightjar_decision_costs_under_20_microseconds():

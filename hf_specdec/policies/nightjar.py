@@ -4,8 +4,9 @@ Time per batch size B is cut into blocks j of H = 2^(j-1) steps and bins of sqrt
 bin's start the bin explores (k uniform) with probability 1/b (b = the bin's index in its block,
 so every block starts exploring), else exploits
     argmin_k  latency_per_token(B, k) + 1[previous k = 0 and k > 0] * C_switch(L_max, B) / (B n),
-and k stays locked for the bin. latency_per_token is step time / emitted tokens over all steps
-with that k (a ratio of sums: the throughput the arm delivered); C_switch is the time the draft
+and k stays locked for the bin. latency_per_token is step time / tokens emitted over all steps
+with that k (a ratio of sums: the throughput the arm delivered), the tokens in expectation (below);
+C_switch is the time the draft
 model needs to catch up the L_max tokens it missed while speculation was off. The paper's
 C_switch / k spreads it over one row's k tokens; our latency is per token of the whole batch, so
 the switching step's B rows share it (else a batch of 48 would almost never switch back on), and
@@ -16,7 +17,13 @@ prompt), would be left only by exploring bins.
 Each batch size (by default, each power-of-two bucket of them) keeps its own statistics, so when
 load drops back to a small batch its (positive) k is found again: no decision deadlock.
 
-Ours, beyond the paper. Statistics leave out the steps that prefill a call's prompt (its first
+Ours, beyond the paper. An arm's tokens are counted in expectation: a row that verified d drafts
+emits 1 + sum_{j<=d} p_j, p_j = P(a row's first j drafts are accepted). Every arm k >= j measures
+p_j (drafts do not depend on how many follow them), so the p_j pool all arms and batch sizes.
+The tokens a step emits vary far more than its time (tiny pair, B=2: 2 to 10 tokens per ~20 ms
+step), and with the same prompts (a benchmark) they depend on where in the text an arm was
+played; an arm's own count then takes hundreds of steps to tell near-tie arms apart, the pooled
+one a few. Statistics leave out the steps that prefill a call's prompt (its first
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
 In generate() (StepContext.static_batch) exploitation multiplies latency(k > 0) by the wait for the
@@ -27,14 +34,11 @@ the steps at the call's end with fewer rows land in other buckets, so no arm's o
 arm (successive elimination), a bin whose k becomes such an arm ends early, and an exploring bin
 takes the arm with the least optimistic latency (optimism, as in UCB) rather than a uniform one:
 near-tie arms then stop costing a bin at every turn once their bounds say they lose. An arm k > 0 whose
-optimistic latency per token exceeds the least pessimistic one of any tried arm (mean step seconds
-per row over a lower confidence bound on its tokens per row-step; plain decoding's tokens are
-certain) is left out until the bounds move. Arm k's optimistic latency per token is a lower
-confidence bound of its step seconds per row (no catch-up) divided by an upper confidence bound on
-its tokens per row-step: the least of k + 1, its own mean + k sqrt(ln(1/delta) / 2n) (Hoeffding,
-delta = e^-4), and 1 + sum_{j<=k} u_j, u_j an upper bound of P(a row's first j drafts are
-accepted). Every arm k' >= j measures that probability (drafts do not depend on how many follow
-them), so the u_j pool all arms and batch sizes. An untried arm k' is bounded through any shorter
+optimistic latency per token exceeds the least pessimistic one of any tried arm (its tokens from
+lower confidence bounds of the p_j; plain decoding's tokens are certain) is left out until the
+bounds move. Arm k's optimistic latency per token is a lower confidence bound of its step seconds
+per row (no catch-up) divided by 1 + sum_{j<=k} u_j, u_j an upper confidence bound of p_j
+(Hoeffding, delta = e^-4). An untried arm k' is bounded through any shorter
 tried arm j (plain decoding included) plus k' - j more draft forwards: max_j (s_j + (k' - j) d) /
 (1 + sum_{i<=k'} u_i), d = fastest drafting seconds per row and draft. Untried arms are tried plain
 first, then the longest (its drafts are judged at every depth), so most arms in between are pruned
@@ -65,27 +69,29 @@ class _BatchState:
     round: int = 1                 # tau, within the bin
     locked: int = 0                # k of the current bin
     seconds: list[float] = field(default_factory=list)  # by k: step seconds, summed
-    tokens: list[int] = field(default_factory=list)     # by k: emitted tokens, summed
     row_steps: list[int] = field(default_factory=list)  # by k: rows x steps
+    depths: list[list[int]] = field(default_factory=list)  # by k, by d: row-steps that verified d drafts
     fastest: list[float] = field(default_factory=list)  # by k: least step seconds per row (no catch-up)
     clean: list[list[float]] = field(default_factory=list)  # by k: [n, sum, sum of squares] of those
     draft_per_token: float = math.inf                    # least drafting seconds per row and draft
 
-    def latency(self, k: int) -> float:
-        return self.seconds[k] / self.tokens[k] if self.tokens[k] else math.inf
+    def latency(self, k: int, yields: list[float]) -> float:
+        """Seconds per token of arm k: its step seconds over the tokens its row-steps emit in
+        expectation, yields[d] for a row that verified d drafts (pooled over arms: see Nightjar)."""
+        tokens = sum(n * yields[d] for d, n in enumerate(self.depths[k]))
+        return self.seconds[k] / tokens if tokens else math.inf
 
-    def best_case(self, k: int, accepted_ub: list[float]) -> float:
+    def best_case(self, k: int, yields_ub: list[float]) -> float:
         """Optimistic latency per token of arm k (a lower bound with probability >= 1 - e^-4);
-        accepted_ub[k] bounds the tokens per row-step of any arm k from above."""
+        yields_ub[k] bounds the tokens per row-step of any arm k from above."""
         if self.fastest[k] < math.inf:
-            n = self.row_steps[k]
-            return self.fast_seconds(k) / min(accepted_ub[k], self.tokens[k] / n + k * _radius(n))
+            return self.fast_seconds(k) / yields_ub[k]
         # untried: at least a shorter tried arm j's step plus k - j more drafts (j = 0: a plain step
         # plus k drafts; verifying more tokens never costs less)
         tried = [j for j in range(k) if self.fastest[j] < math.inf]
         if not tried or self.draft_per_token == math.inf:
             return 0.0
-        return max(self.fast_seconds(j) + (k - j) * self.draft_per_token for j in tried) / accepted_ub[k]
+        return max(self.fast_seconds(j) + (k - j) * self.draft_per_token for j in tried) / yields_ub[k]
 
     def fast_seconds(self, k: int) -> float:
         """A lower confidence bound of arm k's step seconds per row without catch-up: the mean less
@@ -97,11 +103,6 @@ class _BatchState:
         mean = total / n
         spread = math.sqrt(2 * _LOG_INV_DELTA * max(0.0, squares / n - mean * mean) / n)
         return max(self.fastest[k], mean - spread)
-
-    def worst_case(self, k: int) -> float:
-        """Pessimistic latency per token of a tried arm k."""
-        n = self.row_steps[k]
-        return self.seconds[k] / n / max(1.0, self.tokens[k] / n - k * _radius(n))
 
 
 def _next_bin(state: _BatchState) -> None:
@@ -162,7 +163,8 @@ class Nightjar(LengthPolicy):
         state = self.states.get(key)
         if state is None:
             arms = self.max_len + 1
-            state = self.states[key] = _BatchState(seconds=[0.0] * arms, tokens=[0] * arms, row_steps=[0] * arms,
+            state = self.states[key] = _BatchState(seconds=[0.0] * arms, row_steps=[0] * arms,
+                                                   depths=[[0] * arms for _ in range(arms)],
                                                    fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)])
         if state.round > 1 and state.locked and state.locked not in self._arms(state, ctx, 0.0):
             _next_bin(state)              # the bin's k is now known to lose: the bin ends early
@@ -195,31 +197,33 @@ class Nightjar(LengthPolicy):
         speculation saves. (Not over a bin: the lag, so the cost, grows while k = 0, and pruning
         on it would lock k = 0 for good, the decision deadlock.)"""
         arms = list(range(self.max_len + 1))
-        tried = [k for k in arms if state.tokens[k]]
+        tried = [k for k in arms if state.row_steps[k]]
         if not self.prune or not tried:
             return arms
         switch = switch_cost / (ctx.batch_size * ctx.remaining) if ctx.remaining > 0 else 0.0
-        bar = min(state.worst_case(k) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
-        ub = self._accepted_ub()
-        return [0] + [k for k in arms[1:] if state.best_case(k, ub) + switch <= bar]
+        worst = self._yields(-1)
+        bar = min(state.latency(k, worst) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
+        best = self._yields(+1)
+        return [0] + [k for k in arms[1:] if state.best_case(k, best) + switch <= bar]
 
-    def _accepted_ub(self) -> list[float]:
-        """By k: an upper confidence bound of the tokens a row emits per step with k drafts,
-        1 + sum_{j<=k} u_j, u_j bounding P(first j drafts accepted), non-increasing in j."""
+    def _yields(self, side: int) -> list[float]:
+        """By d = 0..max_len: the tokens a row emits in a step that verifies d drafts,
+        1 + sum_{j<=d} P(first j accepted): as measured (side 0), or an upper (+1) / lower (-1)
+        confidence bound of it."""
         out = [1.0]
-        for u in self._pass_rates(optimistic=True):
-            out.append(out[-1] + u)
+        for p in self._pass_rates(side):
+            out.append(out[-1] + p)
         return out
 
-    def _pass_rates(self, optimistic: bool) -> list[float]:
+    def _pass_rates(self, side: int) -> list[float]:
         """By j = 1..max_len: P(a row's first j drafts are accepted), non-increasing in j: as
-        measured, or (optimistic) an upper confidence bound of it. A depth not judged yet: the
-        bound of the depth before it (optimistic), else 0."""
+        measured (side 0), or an upper (+1) / lower (-1) confidence bound of it. A depth not judged
+        yet: the upper bound of the depth before it, else 0."""
         out, p = [], 1.0
         for j in range(1, self.max_len + 1):
             if self.judged[j]:
-                p = min(p, self.passed[j] / self.judged[j] + (_radius(self.judged[j]) if optimistic else 0.0))
-            elif not optimistic:
+                p = min(p, max(0.0, self.passed[j] / self.judged[j] + side * _radius(self.judged[j])))
+            elif side <= 0:
                 p = 0.0
             out.append(p)
         return out
@@ -230,37 +234,37 @@ class Nightjar(LengthPolicy):
         arms not yet ruled out (a near-tie arm no longer costs a bin every time its turn comes)."""
         if not self.prune:
             return self.rng.choice(arms)
-        ub = self._accepted_ub()
-        return min(arms, key=lambda k: (state.best_case(k, ub), self.rng.random()))
+        best = self._yields(+1)
+        return min(arms, key=lambda k: (state.best_case(k, best), self.rng.random()))
 
     def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, ctx: StepContext) -> int:
         """argmin_k latency(k) + the switching cost per row over the tokens it buys (k > 0): the
         rest of the call (ctx.remaining tokens) where known, else (the paper) the step's k. Ours: in
         a static batch, latency(k > 0) x the wait for the slowest row at the call's end
         (`straggler.stretch`, from the pooled acceptance by depth)."""
-        untried = [k for k in arms if not state.tokens[k]]
+        untried = [k for k in arms if not state.row_steps[k]]
         if untried:
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
             # shorter arm (`best_case`), so the arms in between are mostly pruned untried
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
-        passed, finishing = [], 1
+        passed, finishing = self._pass_rates(0), 1
         if ctx.static_batch:
-            passed, finishing = self._pass_rates(optimistic=False), self.finishing(ctx.batch_size)
+            finishing = self.finishing(ctx.batch_size)
+        yields = self._yields(0)
         best, best_value = 0, math.inf
         for k in arms:
-            tail = straggler.stretch(finishing, ctx.remaining, passed[:k]) if k and passed else 1.0
-            value = state.latency(k) * tail + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
+            tail = straggler.stretch(finishing, ctx.remaining, passed[:k]) if k else 1.0
+            value = state.latency(k, yields) * tail + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
         return best
 
     def observe(self, record: StepRecord) -> None:
-        if record.k <= self.max_len:                  # every row judged positions 1..k
-            for j in range(1, record.k + 1):
-                self.judged[j] += len(record.accepted)
-            for accepted in record.accepted:
-                for j in range(1, min(accepted, record.k) + 1):
-                    self.passed[j] += 1
+        if record.k <= self.max_len:                  # row b judged its drafts 1..proposed[b]
+            for proposed, accepted in zip(record.proposed, record.accepted):
+                for j in range(1, proposed + 1):
+                    self.judged[j] += 1
+                    self.passed[j] += j <= accepted
         state = self.states.get(self._key(record.batch_size))
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:
@@ -276,8 +280,9 @@ class Nightjar(LengthPolicy):
             # fault), not the arm's cost: counted at that cap, so one stall cannot bury an arm
             seconds = min(seconds, 3 * rows * state.fastest[k])
         state.seconds[k] += seconds
-        state.tokens[k] += tokens
         state.row_steps[k] += rows
+        for d in record.proposed:
+            state.depths[k][d] += 1
         if k == record.k and (k == 0 or (not self.switched and max(record.proposed) == k)):   # full, no catch-up
             per_row = seconds / rows
             state.fastest[k] = min(state.fastest[k], per_row)
