@@ -112,6 +112,15 @@ def _next_bin(state: _BatchState) -> None:
         state.horizon, state.bin = 2 ** (state.block - 1), 1
 
 
+def _yields(pass_rates: list[float]) -> list[float]:
+    """By d = 0..max_len: the tokens a row emits in a step that verifies d drafts,
+    1 + sum_{j<=d} p_j, from the pass rates p_j by depth (`Nightjar._pass_rates`)."""
+    out = [1.0]
+    for p in pass_rates:
+        out.append(out[-1] + p)
+    return out
+
+
 def _radius(n: int) -> float:
     """Hoeffding radius of a mean of n samples in [0, 1] at confidence 1 - e^-4."""
     return math.sqrt(_LOG_INV_DELTA / (2 * n))
@@ -201,19 +210,10 @@ class Nightjar(LengthPolicy):
         if not self.prune or not tried:
             return arms
         switch = switch_cost / (ctx.batch_size * ctx.remaining) if ctx.remaining > 0 else 0.0
-        worst = self._yields(-1)
+        worst = _yields(self._pass_rates(-1))
         bar = min(state.latency(k, worst) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
-        best = self._yields(+1)
+        best = _yields(self._pass_rates(+1))
         return [0] + [k for k in arms[1:] if state.best_case(k, best) + switch <= bar]
-
-    def _yields(self, side: int) -> list[float]:
-        """By d = 0..max_len: the tokens a row emits in a step that verifies d drafts,
-        1 + sum_{j<=d} P(first j accepted): as measured (side 0), or an upper (+1) / lower (-1)
-        confidence bound of it."""
-        out = [1.0]
-        for p in self._pass_rates(side):
-            out.append(out[-1] + p)
-        return out
 
     def _pass_rates(self, side: int) -> list[float]:
         """By j = 1..max_len: P(a row's first j drafts are accepted), non-increasing in j: as
@@ -234,7 +234,7 @@ class Nightjar(LengthPolicy):
         arms not yet ruled out (a near-tie arm no longer costs a bin every time its turn comes)."""
         if not self.prune:
             return self.rng.choice(arms)
-        best = self._yields(+1)
+        best = _yields(self._pass_rates(+1))
         return min(arms, key=lambda k: (state.best_case(k, best), self.rng.random()))
 
     def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, ctx: StepContext) -> int:
@@ -250,7 +250,7 @@ class Nightjar(LengthPolicy):
         passed, finishing = self._pass_rates(0), 1
         if ctx.static_batch:
             finishing = self.finishing(ctx.batch_size)
-        yields = self._yields(0)
+        yields = _yields(passed)
         best, best_value = 0, math.inf
         for k in arms:
             tail = straggler.stretch(finishing, ctx.remaining, passed[:k]) if k else 1.0
