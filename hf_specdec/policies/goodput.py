@@ -54,11 +54,15 @@ class _GoodputModel:
         self.extra: dict[int, tuple[float, int]] = {}   # bucket -> (drafting steps' excess seconds, steps)
 
     def _modelled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
-        # the first draft forward also feeds what the draft missed: `lag` tokens per row (1 in steady
-        # state; a whole stretch of plain steps after speculation was off)
-        draft = sum(self.profile.draft.forward_time(context + i * batch, batch * (max(lag, 1) if i == 0 else 1))
-                    for i in range(drafted))
-        return draft + self.profile.target.forward_time(context, fed)
+        # draft forward i (< drafted) holds context + i batch tokens and feeds batch tokens, the
+        # first one also what the draft missed: `lag` tokens per row (1 in steady state; a whole
+        # stretch of plain steps after speculation was off). Summed in closed form (runs per decision).
+        draft = self.profile.draft
+        seconds = self.profile.target.forward_time(context, fed)
+        if drafted:
+            seconds += drafted * draft.forward_time(context, batch) + draft.alpha * batch * drafted * (drafted - 1) / 2 \
+                + draft.gamma * batch * (max(lag, 1) - 1)
+        return seconds
 
     def _scaled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
         return self.ratio.get(pow2_bucket(batch), (1.0, 0))[0] * self._modelled(batch, context, drafted, fed, lag)
@@ -184,13 +188,13 @@ class AdaSpec(LengthPolicy):
     a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
     draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain
     to rule drafting out, so it keeps being measured (once it is sure, the gap doubles after each
-    probe, up to 32 x probe_every). A probe drafts and verifies all max_len tokens: it measures
-    acceptance at every depth, not just the first. probe_budget: once sure, the share of the
+    probe, up to 32 x probe_every). A probe drafts and verifies, in every row, the length that
+    would be best at the acceptance's upper confidence bound. probe_budget: once sure, the share of the
     plain steps' time that the probes may lose (unsure: at most drafting's optimistic gain)."""
 
     def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
                  prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8,
-                 probe_budget: float = 0.03):
+                 probe_budget: float = 0.01):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not 0 < prior_confidence <= 1:
@@ -232,12 +236,12 @@ class AdaSpec(LengthPolicy):
             spread = catch_up / steps_left if drafts else 0.0
             tail = straggler.stretch(finishing, ctx.remaining, ar)
             return self.model.goodput(batch, ctx.context_tokens, drafts, ar, spread, tail)
-        def best_drafting(acceptance: float) -> float:
+        def best_drafting(acceptance: float) -> tuple[float, int]:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
-            # can make one draft lose where two or three win
-            return max(goodput(j, acceptance) for j in range(1, self.max_len + 1))
+            # can make one draft lose where two or three win. Returns (goodput, length).
+            return max((goodput(j, acceptance), j) for j in range(1, self.max_len + 1))
         plain = goodput(0, 1.0)
-        if best_drafting(self.guess) > plain:
+        if best_drafting(self.guess)[0] > plain:
             self.idle, self.probe_gap = 0, self.probe_every
             return self.max_len
         # A probe step (drafting although the estimate says no) keeps the acceptance estimate
@@ -250,27 +254,30 @@ class AdaSpec(LengthPolicy):
         # is paid for: unsure, by what drafting would have gained over the idle steps were the
         # optimistic estimate right (a near-tie at B=16 is not worth a probe every 8 steps); sure,
         # by `probe_budget` of their time (SmolLM2, int8 draft: a call's first probe cost ~6 plain steps).
+        # A probe drafts the length that would be best were the optimistic estimate right: the one
+        # worth checking, and short once acceptance is known to be low (every draft past the first
+        # rejected one is wasted: tiny pair, useless draft, B=16: a 6-draft probe cost ~8 plain steps).
         self.idle += 1
         if self.idle < self.probe_every:                 # probe_gap >= probe_every: no probe yet
             return 0
         plain_s = self.model.step_time(batch, ctx.context_tokens, 0, batch)
-        loss = self._probe_loss(ctx, catch_up, plain_s)
-        upside = best_drafting(self.optimistic_acceptance()) / plain - 1
+        optimistic, length = best_drafting(self.optimistic_acceptance())
+        loss = self._probe_loss(ctx, catch_up, plain_s, length)
+        upside = optimistic / plain - 1
         if upside > 0 and self.idle * upside * plain_s >= loss:
             self.idle, self.probing = 0, True
-        elif self.idle >= self.probe_gap and best_drafting(1.0) > plain \
+        elif self.idle >= self.probe_gap and best_drafting(1.0)[0] > plain \
                 and self.idle * self.probe_budget * plain_s >= loss:
             self.idle, self.probe_gap = 0, min(2 * self.probe_gap, 32 * self.probe_every)
             self.probing = True
-        return self.max_len if self.probing else 0
+        return length if self.probing else 0
 
-    def _probe_loss(self, ctx: StepContext, catch_up: float, plain_s: float) -> float:
-        """Seconds a probe (max_len drafts, all verified, after the draft's catch-up) costs beyond
+    def _probe_loss(self, ctx: StepContext, catch_up: float, plain_s: float, drafts: int) -> float:
+        """Seconds a probe (`drafts` drafts, all verified, after the draft's catch-up) costs beyond
         the plain steps (plain_s each) that would emit its expected tokens, at the current guess."""
         batch = ctx.batch_size
-        drafts = self.max_len
         probe_s = catch_up + self.model.step_time(batch, ctx.context_tokens, drafts, batch * (drafts + 1))
-        return probe_s - (1 + sum(_cumulative([self.guess] * self.max_len))) * plain_s
+        return probe_s - (1 + sum(_cumulative([self.guess] * drafts))) * plain_s
 
     def optimistic_acceptance(self) -> float:
         """An upper confidence bound of the guess: + sqrt(ln(1/delta) / 2n) over the n drafts judged
