@@ -134,14 +134,15 @@ class _Loop:
         Also sets `least_room` and `longest` (the loop's own use of the same numbers)."""
         batch, rows = self.batch, self.batch.active
         lengths = batch.lengths[rows] if lengths is None else lengths
-        to_limit = self.limit[rows] - lengths
         # one host sync for every number (a plain step on a small model is ~10 ms: this runs each step)
-        numbers = [(lengths - batch.real_start(rows)).sum(), to_limit.max(), to_limit.min(), lengths.max()]
+        numbers = [(lengths - batch.real_start(rows)).sum(), lengths.max()]
         numbers += [d.runner.lag(batch, lengths).max() for d in self.drafters if isinstance(d, ModelDrafter)]
-        context_tokens, remaining, least, self.longest, *lags = torch.stack(numbers).tolist()
-        self.least_room = least - 1                     # drafts that fit in every row
+        numbers = torch.cat([self.limit[rows] - lengths, torch.stack(numbers)]).tolist()
+        rooms, (context_tokens, self.longest, *lags) = numbers[:len(rows)], numbers[len(rows):]
+        self.least_room = min(rooms) - 1                # drafts that fit in every row
         return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
-                           max_lag=max(lags, default=0), remaining=remaining, static_batch=self.static_batch)
+                           max_lag=max(lags, default=0), remaining=max(rooms), rooms=rooms,
+                           static_batch=self.static_batch)
 
     def step(self, index: int) -> StepRecord:
         begin = time.perf_counter()

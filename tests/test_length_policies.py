@@ -344,6 +344,27 @@ def test_straggler_stretch_predicts_when_a_static_batchs_last_row_finishes(batch
     assert stretch(1, remaining, ar) == stretch(batch, 0, ar) == 1.0   # one row; the rest unknown
 
 
+def test_straggler_stretch_counts_only_rows_that_can_still_be_last():
+    """A batch whose rows drifted apart (rooms 40, 38, then 16 .. 4 tokens): only the two longest
+    can finish last, so the wait is a two-row one, not sixteen rows'; and no row takes more steps
+    than it has tokens to go."""
+    rng, acceptance, k = random.Random(0), 0.7, 3
+    ar = [acceptance ** i for i in range(1, k + 1)]
+    rooms = [40, 38] + [4 + i for i in range(0, 14)][::-1]
+    def steps_to_finish():
+        left, steps = list(rooms), 0
+        while max(left) > 0:
+            steps += 1
+            left = [n - 1 - accepted_drafts(rng, k, acceptance) for n in left]
+        return steps
+    simulated = statistics.fmean(steps_to_finish() for _ in range(500))
+    mean, _ = emission_moments(ar)
+    predicted = 40 / mean * stretch(16, 40, ar, rooms)
+    assert simulated == pytest.approx(predicted, rel=0.05)
+    assert stretch(16, 40, ar, rooms) < stretch(16, 40, ar) - 0.05    # sixteen rows' wait would overprice it
+    assert stretch(16, 2, [0.99] * 6) <= emission_moments([0.99] * 6)[0]
+
+
 def test_finishing_rows_learns_how_many_rows_are_still_running_at_a_calls_end():
     """Rows that stop early (EOS, outputs of different lengths) cannot be the last to finish."""
     def calls(finishing, active_at):

@@ -234,7 +234,7 @@ class AdaSpec(LengthPolicy):
             ar = _cumulative([acceptance] * drafts)
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
-            tail = straggler.stretch(finishing, ctx.remaining, ar)
+            tail = straggler.stretch(finishing, ctx.remaining, ar, ctx.rooms)
             return self.model.goodput(batch, ctx.context_tokens, drafts, ar, spread, tail)
         def best_drafting(acceptance: float) -> tuple[float, int]:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
