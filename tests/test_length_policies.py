@@ -464,7 +464,7 @@ def test_adaspec_drafts_when_a_longer_draft_pays_though_one_does_not():
     loop's own work), plain ones as modelled: one draft then loses to plain decoding while longer
     ones win, and AdaSpec must draft."""
     policy = hf_specdec.AdaSpec(toy_profile(0.05), max_len=6, calibrate=False, prior_confidence=0.9)
-    policy.model.extra = {1: (0.01, 10)}
+    policy.model.extra = {1: (0.01, 10, 0)}
     ctx = StepContext(5, 1, 1, [0], context_tokens=64)
 
     def goodput(j):
@@ -486,6 +486,24 @@ def test_goodput_model_learns_a_drafting_steps_fixed_cost():
         model.learn(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, truth(k), step=step, lag=1), 64)
     for k in range(7):
         assert model.step_time(1, 64, k, k + 1) == pytest.approx(truth(k), rel=0.02), k
+
+
+def test_goodput_model_replaces_a_stale_drafting_cost():
+    """A drafting cost learned in a slow spell (30 ms over the model), then 200 plain steps: the
+    next drafting step (a probe) weighs half, while back-to-back drafting steps each weigh a
+    tenth (noise averages out)."""
+    model = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False).model
+    def learn(step, k, excess):
+        model.learn(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, model._modelled(1, 64, k, k + 1) + excess,
+                               step=step, lag=1), 64)
+    for step in range(1, 30):
+        learn(step, 2, 0.030)
+    for step in range(30, 230):
+        learn(step, 0, 0.0)
+    learn(230, 2, 0.002)                              # the machine is fast again
+    assert model.extra[1][0] == pytest.approx(0.016)
+    learn(231, 2, 0.030)                              # one noisy step right after: a tenth of it
+    assert model.extra[1][0] == pytest.approx(0.0174)
 
 
 def test_calibration_learns_that_unsure_exact_drafts_are_accepted():

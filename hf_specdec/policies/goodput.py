@@ -50,8 +50,9 @@ class _GoodputModel:
                                      or slo_tpot <= 0):
             raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
         self.profile, self.slo_tpot = profile, slo_tpot
-        self.ratio: dict[int, tuple[float, int]] = {}   # bucket -> (plain steps' measured / modelled, steps)
-        self.extra: dict[int, tuple[float, int]] = {}   # bucket -> (drafting steps' excess seconds, steps)
+        self.ratio: dict[int, tuple[float, int, int]] = {}   # bucket -> (plain steps' measured / modelled, steps, clock)
+        self.extra: dict[int, tuple[float, int, int]] = {}   # bucket -> (drafting steps' excess seconds, steps, clock)
+        self.clock = 0                                       # steps learned from
 
     def _modelled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
         # draft forward i (< drafted) holds context + i batch tokens and feeds batch tokens, the
@@ -65,14 +66,14 @@ class _GoodputModel:
         return seconds
 
     def _scaled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
-        return self.ratio.get(pow2_bucket(batch), (1.0, 0))[0] * self._modelled(batch, context, drafted, fed, lag)
+        return self.ratio.get(pow2_bucket(batch), (1.0,))[0] * self._modelled(batch, context, drafted, fed, lag)
 
     def step_time(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
         """Seconds of a step of `batch` rows holding `context` tokens that runs `drafted` draft
         forwards and feeds the target `fed` tokens (each row's pending one + its verified drafts)."""
         seconds = self._scaled(batch, context, drafted, fed, lag)
         if drafted:   # an excess below 0 (the model's slope too steep) would make short drafts look free
-            seconds += max(self.extra.get(pow2_bucket(batch), (0.0, 0))[0], 0.0)
+            seconds += max(self.extra.get(pow2_bucket(batch), (0.0,))[0], 0.0)
         return seconds
 
     def catch_up(self, batch: int, context: int, lag: int) -> float:
@@ -86,6 +87,7 @@ class _GoodputModel:
         """Fold a measured step into the correction, its draft catch-up modelled too (probes after
         plain steps then count); a step that prefilled the prompt is left out. drafted: the draft
         forwards run, if more than the longest verified row (drafts dropped before verification)."""
+        self.clock += 1
         if record.step == 0 or not record.batch_size:
             return
         if drafted is None:
@@ -100,9 +102,14 @@ class _GoodputModel:
             if modelled <= 0:
                 return
             table, value = self.ratio, record.seconds / modelled
-        mean, n = table.get(bucket, (0.0 if drafted else 1.0, 0))
-        weight = max(1.0 / (n + 1), 0.1)            # a mean at first, then a running one that follows drift
-        table[bucket] = (mean + weight * (value - mean), n + 1)
+        mean, n, last = table.get(bucket, (0.0 if drafted else 1.0, 0, 0))
+        # a mean at first, then a running one over about the last 10 steps *of time*, not of samples:
+        # a sample after a long gap (a probe after many plain steps, plain steps after much drafting)
+        # weighs up to half, against an estimate the machine's drift may have made stale. Over
+        # samples, a drafting cost learned in a slow spell kept drafting off for good (tiny pair,
+        # B=4), rare probes moving it a tenth at a time; one sample alone would be one step's noise.
+        weight = max(1.0 / (n + 1), min(0.5, 1.0 - 0.9 ** (self.clock - last)))
+        table[bucket] = (mean + weight * (value - mean), n + 1, self.clock)
 
     def goodput(self, batch: int, context: int, drafted: int, ar: list[float], spread: float = 0.0,
                 stretch: float = 1.0) -> float:
