@@ -13,7 +13,8 @@ so drafting takes `stretch` = 1 + z_B sqrt(var / (r mu)) times the steps its goo
 they finish, so nothing waits there (StepContext.static_batch is False). Only rows still running
 near the call's end can be last: rows that stop early (EOS, a stopping criterion, outputs of very
 different lengths) wait for no one, so B is the share of rows that `FinishingRows` saw reach the
-end of earlier calls.
+end of earlier calls; and of the rows running, only those about as far from their limit as the
+furthest can be last (`contenders`).
 """
 from __future__ import annotations
 
