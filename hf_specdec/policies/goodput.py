@@ -237,11 +237,12 @@ class AdaSpec(LengthPolicy):
         # call's end (`straggler`; tiny pair, B=16, all rows running to the end: ~10%).
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         finishing = self.finishing(batch) if ctx.static_batch else 1      # 1 row: no wait
+        rooms = sorted(ctx.rooms)
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
-            tail = straggler.stretch(finishing, ctx.remaining, ar, ctx.rooms)
+            tail = straggler.stretch(finishing, ctx.remaining, ar, rooms)
             return self.model.goodput(batch, ctx.context_tokens, drafts, ar, spread, tail)
         def best_drafting(acceptance: float) -> tuple[float, int]:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)

@@ -18,6 +18,7 @@ furthest can be last (`contenders`).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from functools import lru_cache
 
@@ -49,8 +50,8 @@ def emission_moments(ar: list[float]) -> tuple[float, float]:
 def stretch(batch: int, remaining: int, ar: list[float], rooms: list[int] = ()) -> float:
     """How many times the steps a drafting step's rate promises a static batch of `batch` rows
     with `remaining` tokens to go takes to finish its slowest row (1.0: one row, nothing to
-    draft, or the rest of the call unknown). rooms: the tokens each row may still emit, if known:
-    only rows within reach of the longest can be last (`contenders`). At most the mean tokens per
+    draft, or the rest of the call unknown). rooms: the tokens each row may still emit, sorted
+    ascending, if known: only rows within reach of the longest can be last (`contenders`). At most the mean tokens per
     step: no row takes more steps than it has tokens to go."""
     if batch <= 1 or remaining <= 0 or not ar:
         return 1.0
@@ -61,11 +62,12 @@ def stretch(batch: int, remaining: int, ar: list[float], rooms: list[int] = ()) 
 
 
 def contenders(rooms: list[int], remaining: int, mean: float, var: float) -> int:
-    """Rows that can still be a call's last: those whose room is within two standard deviations of
-    the longest room's (`remaining`), in tokens over the steps it takes. Rows that drifted apart
-    under speculation mostly cannot (tiny pair, B=16: 14 rows left with 2-15 tokens to go)."""
+    """Rows that can still be a call's last: those whose room (`rooms`, sorted ascending) is within
+    two standard deviations of the longest room's (`remaining`), in tokens over the steps it takes.
+    Rows that drifted apart under speculation mostly cannot (tiny pair, B=16: 14 rows left with
+    2-15 tokens to go)."""
     reach = 2.0 * math.sqrt(2.0 * remaining * var / mean)   # the difference of two rows' progress
-    return sum(room >= remaining - reach for room in rooms)
+    return len(rooms) - bisect.bisect_left(rooms, remaining - reach)
 
 
 class FinishingRows:
