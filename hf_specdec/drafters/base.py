@@ -48,7 +48,8 @@ class Drafter:
 
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         """Up to k drafts per active row; a drafter with confidences consults `controller` after
-        each drafted token and stops rows (or the whole drafting) early."""
+        each drafted token (its argument, the confidences so far [row][draft], may grow after the
+        call) and stops rows (or the whole drafting) early."""
         raise NotImplementedError
 
     def accepted(self, num_accepted: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ class ModelDrafter(Drafter):
         lengths = torch.full_like(start, k)
         alive = torch.ones_like(start, dtype=torch.bool)
         drafts, probs, seen, confidence = [], [], [], []
+        asked = [[] for _ in range(len(rows))]           # confidences on the host, a column per draft
         for j in range(k):
             seen.append(logits[:, 0])
             scores = self.sampler.scores(batch, logits, offset=j)[:, 0]   # [n, vocab]
@@ -58,7 +59,9 @@ class ModelDrafter(Drafter):
             batch.tokens[rows, start + j] = token         # processors of position j+1 read it
             drafts.append(token)
             if controller is not None and j < k - 1:
-                more = torch.tensor(controller(torch.stack(confidence, 1).tolist()), device=alive.device)
+                for row, c in zip(asked, confidence[-1].tolist()):
+                    row.append(c)
+                more = torch.tensor(controller(asked), device=alive.device)
                 lengths = torch.where(alive & ~more, j + 1, lengths)
                 alive &= more
                 if not bool(alive.any()):
