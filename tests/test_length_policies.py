@@ -539,15 +539,19 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     """Every probe's first draft is rejected. Probes come every `probe_every` steps while the
     acceptance estimate is too uncertain to rule drafting out, then ever rarer as the optimistic
     gain they could find shrinks; once sure, they lose at most `probe_budget` of the plain steps'
-    time (default 1%); none where even drafts that are always accepted would not pay."""
+    time (default 1%); none where even drafts that are always accepted would not pay. A probe
+    drafts all max_len tokens while acceptance could be high, one once it is known to be low."""
     def drafting_steps(draft_ratio, batch):
-        """The gaps between probes, and the probes' loss over the plain steps' time after the first probe."""
+        """The gaps between probes, and the probes' loss over the plain steps' time after the first
+        probe; `lengths` gets each probe's length."""
         policy = hf_specdec.AdaSpec(toy_profile(draft_ratio), max_len=6, prior_confidence=0.02, probe_every=4)
         steps, rows, lost, plain = [], [0] * batch, 0.0, 0.0
+        lengths.clear()
         for step in range(1, 1500):
             k = policy.choose(StepContext(step, batch, 1, list(range(batch)), context_tokens=64 * batch))
             if k:
                 steps.append(step)
+                lengths.append(k)
                 policy.verify_lengths([[0.02] * k] * batch)
             seconds = policy.model.step_time(batch, 64 * batch, k, (k + 1) * batch)
             plain_seconds = policy.model.step_time(batch, 64 * batch, 0, batch)
@@ -555,7 +559,9 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
                 lost, plain = (lost + seconds - plain_seconds, plain) if k else (lost, plain + seconds)
             policy.observe(StepRecord(batch, rows, k, [k] * batch, rows, [1] * batch, 0.0, seconds, step=step))
         return [b - a for a, b in zip(steps, steps[1:])], lost / max(plain, 1e-9)
+    lengths = []
     gaps, _ = drafting_steps(0.05, 1)
+    assert lengths[0] == 6 and set(lengths[-10:]) == {1}, lengths
     assert gaps[:3] == [4] * 3, gaps                         # unsure: every probe_every steps
     assert gaps == sorted(gaps) and gaps[-1] >= 128, gaps    # then ever rarer: 32 x probe_every, or the budget's gap
     gaps, lost = drafting_steps(0.05, 4)                     # sure after one probe (B=4): within budget
