@@ -325,19 +325,22 @@ def accepted_drafts(rng, k, acceptance):
     return accepted
 
 
+def steps_to_finish(rng, rooms, k, acceptance):
+    """Steps until every row has emitted its room, each step 1 + (accepted of k drafts) tokens."""
+    left, steps = list(rooms), 0
+    while max(left) > 0:
+        steps += 1
+        left = [n - 1 - accepted_drafts(rng, k, acceptance) for n in left]
+    return steps
+
+
 @pytest.mark.parametrize("batch,remaining,acceptance,k", [(16, 96, 0.7, 2), (8, 96, 0.8, 4), (16, 40, 0.6, 3)])
 def test_straggler_stretch_predicts_when_a_static_batchs_last_row_finishes(batch, remaining, acceptance, k):
     """Rows emitting 1 + (accepted drafts) tokens per step, each until it has `remaining`: the
     batch's step count is the slowest row's, well past remaining / mean, as `stretch` predicts."""
     rng = random.Random(0)
     ar = [acceptance ** i for i in range(1, k + 1)]
-    def steps_to_finish():
-        left, steps = [remaining] * batch, 0
-        while max(left) > 0:
-            steps += 1
-            left = [n - 1 - accepted_drafts(rng, k, acceptance) for n in left]
-        return steps
-    simulated = statistics.fmean(steps_to_finish() for _ in range(300))
+    simulated = statistics.fmean(steps_to_finish(rng, [remaining] * batch, k, acceptance) for _ in range(300))
     mean, _ = emission_moments(ar)
     assert simulated > 1.08 * remaining / mean                        # the tail is there to price
     assert simulated == pytest.approx(remaining / mean * stretch(batch, remaining, ar), rel=0.05)
@@ -351,13 +354,7 @@ def test_straggler_stretch_counts_only_rows_that_can_still_be_last():
     rng, acceptance, k = random.Random(0), 0.7, 3
     ar = [acceptance ** i for i in range(1, k + 1)]
     rooms = [40, 38] + [4 + i for i in range(0, 14)][::-1]
-    def steps_to_finish():
-        left, steps = list(rooms), 0
-        while max(left) > 0:
-            steps += 1
-            left = [n - 1 - accepted_drafts(rng, k, acceptance) for n in left]
-        return steps
-    simulated = statistics.fmean(steps_to_finish() for _ in range(500))
+    simulated = statistics.fmean(steps_to_finish(rng, rooms, k, acceptance) for _ in range(500))
     mean, _ = emission_moments(ar)
     predicted = 40 / mean * stretch(16, 40, ar, sorted(rooms))
     assert simulated == pytest.approx(predicted, rel=0.05)

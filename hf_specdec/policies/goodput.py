@@ -265,7 +265,8 @@ class AdaSpec(LengthPolicy):
         # by `probe_budget` of their time (SmolLM2, int8 draft: a call's first probe cost ~6 plain steps).
         # A probe drafts the length that would be best were the optimistic estimate right: the one
         # worth checking, and short once acceptance is known to be low (every draft past the first
-        # rejected one is wasted: tiny pair, useless draft, B=16: a 6-draft probe cost ~8 plain steps).
+        # rejected one is wasted: with the tiny pair's useless draft, five of a probe's six drafts
+        # were never judged).
         self.idle += 1
         if self.idle < self.probe_every:                 # probe_gap >= probe_every: no probe yet
             return 0
