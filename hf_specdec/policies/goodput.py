@@ -222,10 +222,10 @@ class AdaSpec(LengthPolicy):
         self.finishing = straggler.FinishingRows()                # rows that can be a call's last
         self.ctx: StepContext | None = None
         self.verified: list[list[float]] | None = None          # this step's confidences, for observe
-        self.drafting_ar: list[list[float]] = []                 # this step's AR so far, while drafting
+        self.drafting: tuple[list, list[list[float]]] = ([], [])  # a drafter's confidences and their AR so far
 
     def choose(self, ctx: StepContext) -> int:
-        self.ctx, self.verified, self.probing, self.drafting_ar = ctx, None, False, []
+        self.ctx, self.verified, self.probing = ctx, None, False
         batch = ctx.batch_size
         if ctx.static_batch:
             self.finishing.update(ctx)
@@ -313,15 +313,16 @@ class AdaSpec(LengthPolicy):
         dropped before verification are not worth their draft forward."""
         if self.probing:
             return [True] * len(confidences)
-        # asked after every draft token: only the new columns' AR are computed (O(B k), not O(B k^2))
-        if not self.drafting_ar:
-            self.drafting_ar = [[] for _ in confidences]
-        for row_ar, row in zip(self.drafting_ar, confidences):
+        # asked after every draft token with the same, growing lists (`Drafter.propose`): only the new
+        # columns' AR are computed (O(B k), not O(B k^2)); another list (another drafter) starts afresh
+        if confidences is not self.drafting[0]:
+            self.drafting = (confidences, [[] for _ in confidences])
+        for row_ar, row in zip(self.drafting[1], confidences):
             acc = row_ar[-1] if row_ar else 1.0
             for c in row[len(row_ar):]:
                 acc *= self.calibration(c)
                 row_ar.append(acc)
-        ar, drafted = self.drafting_ar, len(confidences[0])
+        ar, drafted = self.drafting[1], len(confidences[0])
         batch, context = self.ctx.batch_size, self.ctx.context_tokens
         _, now = self.model.best_verification(batch, context, drafted, ar)
         _, more = self.model.best_verification(batch, context, drafted + 1, [row + [row[-1] * self.guess] for row in ar])
