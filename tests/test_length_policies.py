@@ -598,6 +598,28 @@ def test_adaspec_counts_a_step_whose_drafts_were_all_dropped_as_a_drafting_step(
     assert set(policy.model.extra) == {1} and not policy.model.ratio
 
 
+def test_adaspec_answers_each_drafter_of_a_step_from_its_own_confidences():
+    """Rows that chose different drafters: each drafter asks `continue_drafting` with its own lists,
+    growing draft by draft, in the same step. The second must be answered from its own confidences
+    (the policy caches a step's acceptance estimates; reused, the first drafter's sure drafts
+    would keep the second's hopeless ones going)."""
+    def policy():
+        ada = hf_specdec.AdaSpec(toy_profile(0.05), max_len=8, calibrate=False, prior_confidence=0.9)
+        assert ada.choose(StepContext(5, 2, 2, [0, 1], context_tokens=128)) > 0
+        return ada
+
+    def answers(ada, confidence, drafts):
+        rows, out = [[], []], []            # the same two lists, a column appended per draft
+        for _ in range(drafts):
+            for row in rows:
+                row.append(confidence)
+            out.append(ada.continue_drafting(rows))
+        return out
+    shared = policy()
+    assert answers(shared, 0.95, 3)[-1] == [True, True]
+    assert answers(shared, 0.02, 2) == answers(policy(), 0.02, 2) == [[False, False]] * 2
+
+
 def test_goodput_policies_correct_the_latency_model_with_measured_steps():
     """Speculative steps measured 4x slower than modelled (as a CPU's matrix-matrix kernel can be)
     turn drafting off although every draft is accepted; prompt prefills, which the model does not
