@@ -269,8 +269,8 @@ def test_profile_json_round_trip_and_malformed_files(tmp_path):
 
 def drafted_length(policy, batch, confidence, max_len, confidences=None):
     """Feed constant confidences (or confidences(j) for j drafted) until the policy stops drafting;
-    returns the number drafted."""
-    ctx = StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch)
+    returns the number drafted. The step is not a call's first (AdaSpec never probes there)."""
+    ctx = StepContext(1, batch, 1, list(range(batch)), context_tokens=64 * batch)
     if policy.choose(ctx) == 0:
         return 0
     confidences = confidences or (lambda j: [[confidence] * j for _ in range(batch)])
@@ -564,6 +564,15 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     gaps, lost = drafting_steps(0.05, 4)                     # sure after one probe (B=4): within budget
     assert len(gaps) >= 3 and lost <= 0.01, (gaps, lost)
     assert drafting_steps(1.5, 16)[0] == []                  # a draft dearer than the target: no acceptance would pay
+
+
+def test_adaspec_does_not_probe_at_a_calls_first_step():
+    """The last call's idle steps make a probe due, but step 0 also prefills the prompt and its time
+    is not learned from: a probe there would never teach the drafting cost. It waits for step 1."""
+    policy = hf_specdec.AdaSpec(toy_profile(0.05), max_len=6, prior_confidence=0.02, probe_every=4)
+    policy.idle = 400                                        # the last call's idle steps: a probe is due
+    assert policy.choose(StepContext(0, 1, 1, [0], context_tokens=64)) == 0
+    assert policy.choose(StepContext(1, 1, 1, [0], context_tokens=64)) > 0
 
 
 def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():

@@ -268,7 +268,11 @@ class AdaSpec(LengthPolicy):
         # rejected one is wasted: with the tiny pair's useless draft, five of a probe's six drafts
         # were never judged).
         self.idle += 1
-        if self.idle < self.probe_every:                 # probe_gap >= probe_every: no probe yet
+        # probe_gap >= probe_every: no probe yet. Nor at a call's first step, where the last call's
+        # idle steps would put it: that step also prefills the prompt and `learn` leaves its time
+        # out, so the probe taught acceptance but never the drafting cost (tiny pair, B=8: one such
+        # probe per call, plain decoding for the rest of it, call after call, at 0.86x fixed:2)
+        if self.idle < self.probe_every or ctx.step == 0:
             return 0
         plain_s = self.model.step_time(batch, ctx.context_tokens, 0, batch)
         optimistic, length = best_drafting(self.optimistic_acceptance())
