@@ -138,10 +138,10 @@ class _Loop:
         numbers = [(lengths - batch.real_start(rows)).sum(), lengths.max()]
         numbers += [d.runner.lag(batch, lengths).max() for d in self.drafters if isinstance(d, ModelDrafter)]
         numbers = torch.cat([self.limit[rows] - lengths, torch.stack(numbers)]).tolist()
-        rooms, (context_tokens, self.longest, *lags) = numbers[:len(rows)], numbers[len(rows):]
-        self.least_room = min(rooms) - 1                # drafts that fit in every row
+        rooms, (context_tokens, self.longest, *lags) = sorted(numbers[:len(rows)]), numbers[len(rows):]
+        self.least_room = rooms[0] - 1                  # drafts that fit in every row
         return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
-                           max_lag=max(lags, default=0), remaining=max(rooms), rooms=rooms,
+                           max_lag=max(lags, default=0), remaining=rooms[-1], rooms=rooms,
                            static_batch=self.static_batch)
 
     def step(self, index: int) -> StepRecord:

@@ -36,7 +36,8 @@ class StepContext:
     context_tokens: int = 0   # real tokens held by the active rows (prompt + output so far)
     max_lag: int = 0          # largest per-row lag of any model drafter (tokens it must catch up)
     remaining: int = 0        # most new tokens any active row may still emit (0: unknown)
-    rooms: list[int] = field(default_factory=list)  # new tokens each active row may still emit (empty: unknown)
+    rooms: list[int] = field(default_factory=list)  # new tokens the active rows may still emit,
+                                                    # ascending (empty: unknown)
     static_batch: bool = False  # the call waits for its slowest row (generate()); serving refills rows
 
 

@@ -143,8 +143,9 @@ class _GoodputModel:
         return lengths, (batch + gained) / (base + per_token * kept)
 
 
-def _cumulative(values: list[float]) -> list[float]:
-    out, acc = [], 1.0
+def _cumulative(values: list[float], acc: float = 1.0) -> list[float]:
+    """Running products of `values`, starting from `acc`."""
+    out = []
     for v in values:
         acc *= v
         out.append(acc)
@@ -239,12 +240,11 @@ class AdaSpec(LengthPolicy):
         # call's end (`straggler`; tiny pair, B=16, all rows running to the end: ~10%).
         catch_up = self.model.catch_up(batch, ctx.context_tokens, ctx.max_lag) if ctx.remaining else 0.0
         finishing = self.finishing(batch) if ctx.static_batch else 1      # 1 row: no wait
-        rooms = sorted(ctx.rooms)
         def goodput(drafts: int, acceptance: float) -> float:
             ar = _cumulative([acceptance] * drafts)
             steps_left = max(1.0, ctx.remaining / (1 + sum(ar)))
             spread = catch_up / steps_left if drafts else 0.0
-            tail = straggler.stretch(finishing, ctx.remaining, ar, rooms)
+            tail = straggler.stretch(finishing, ctx.remaining, ar, ctx.rooms)
             return self.model.goodput(batch, ctx.context_tokens, drafts, ar, spread, tail)
         def best_drafting(acceptance: float) -> tuple[float, int]:
             # any length, not only one draft: a drafting step's fixed excess (`_GoodputModel.extra`)
@@ -323,10 +323,8 @@ class AdaSpec(LengthPolicy):
         if confidences is not self.drafting[0]:
             self.drafting = (confidences, [[] for _ in confidences])
         for row_ar, row in zip(self.drafting[1], confidences):
-            acc = row_ar[-1] if row_ar else 1.0
-            for c in row[len(row_ar):]:
-                acc *= self.calibration(c)
-                row_ar.append(acc)
+            new = [self.calibration(c) for c in row[len(row_ar):]]
+            row_ar += _cumulative(new, row_ar[-1] if row_ar else 1.0)
         ar, drafted = self.drafting[1], len(confidences[0])
         batch, context = self.ctx.batch_size, self.ctx.context_tokens
         _, now = self.model.best_verification(batch, context, drafted, ar)

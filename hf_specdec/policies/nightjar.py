@@ -250,10 +250,10 @@ class Nightjar(LengthPolicy):
         passed, finishing = self._pass_rates(0), 1
         if ctx.static_batch:
             finishing = self.finishing(ctx.batch_size)
-        yields, rooms = _yields(passed), sorted(ctx.rooms)
+        yields = _yields(passed)
         best, best_value = 0, math.inf
         for k in arms:
-            tail = straggler.stretch(finishing, ctx.remaining, passed[:k], rooms) if k else 1.0
+            tail = straggler.stretch(finishing, ctx.remaining, passed[:k], ctx.rooms) if k else 1.0
             value = state.latency(k, yields) * tail + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value

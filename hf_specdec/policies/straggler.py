@@ -51,8 +51,9 @@ def stretch(batch: int, remaining: int, ar: list[float], rooms: list[int] = ()) 
     """How many times the steps a drafting step's rate promises a static batch of `batch` rows
     with `remaining` tokens to go takes to finish its slowest row (1.0: one row, nothing to
     draft, or the rest of the call unknown). rooms: the tokens each row may still emit, sorted
-    ascending, if known: only rows within reach of the longest can be last (`contenders`). At most the mean tokens per
-    step: no row takes more steps than it has tokens to go."""
+    ascending (`StepContext.rooms`), if known: only rows within reach of the longest can be last
+    (`contenders`). At most the mean tokens per step: no row takes more steps than it has tokens
+    to go."""
     if batch <= 1 or remaining <= 0 or not ar:
         return 1.0
     mean, var = emission_moments(ar)
