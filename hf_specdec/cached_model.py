@@ -35,6 +35,7 @@ class CachedModel:
         self.cache = _compat.new_cache(self.model)
         self.forwards = 0
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
+        self.holes = False                                                        # any slot_mask False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
         if from_first_real:
@@ -64,14 +65,16 @@ class CachedModel:
         end = batch.lengths[rows] if end is None else end
         lag = end - self.fed
         width = int(lag.max())
+        near_prompt = int(end.min()) - width < batch.prompt_len     # (decoding steps are past every prompt)
+        self.fed = end.clone()
+        if width == 1 and not near_prompt:         # steady decoding: each row's last token (fewer ops)
+            return batch.tokens[rows, end - 1][:, None], torch.ones(len(rows), 1, dtype=torch.bool, device=end.device)
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
         index = (end[:, None] + offsets).clamp(min=0)                            # [n, width]
         real = offsets >= -lag[:, None]
-        if int(end.min()) - width < batch.prompt_len:        # (decoding steps are past every prompt)
+        if near_prompt:
             real &= batch.is_real(rows, index)
-        tokens = batch.tokens[rows[:, None], index]
-        self.fed = end.clone()
-        return tokens, real
+        return batch.tokens[rows[:, None], index], real
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
         """Append `tokens` [n, w] (holes where `real` is False); logits of the last `keep` slots.
@@ -82,8 +85,11 @@ class CachedModel:
         tokens, real = tokens.to(self.device), real.to(self.device)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
         self.slot_mask = torch.cat([self.slot_mask, real], dim=1)
+        self.holes = self.holes or not bool(real.all())
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        out = self.model(input_ids=tokens, attention_mask=self.slot_mask.long(), position_ids=positions,
+        # no mask without holes, as generate() drops an all-ones one: building and applying it costs
+        # every forward (a plain step's ~0.1 ms on a CPU); a mask as bool, which transformers 5 makes it anyway
+        out = self.model(input_ids=tokens, attention_mask=self.slot_mask if self.holes else None, position_ids=positions,
                          past_key_values=self.cache, use_cache=True, **kwargs)
         self.num_real += real.sum(1)
         self.forwards += 1
@@ -126,6 +132,7 @@ class CachedModel:
         _compat.crop(self.cache, self.num_slots - last_used)
         _compat.drop_front(self.cache, first_used)
         self.slot_mask = self.slot_mask[:, first_used:last_used]
+        self.holes = not bool(self.slot_mask.all())
 
     def append(self, other: "CachedModel") -> None:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
@@ -135,6 +142,7 @@ class CachedModel:
             return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
         _compat.append_rows(self.cache, len(self.fed), other.cache, len(other.fed))
         self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
+        self.holes = not bool(self.slot_mask.all())
         self.num_real = torch.cat([self.num_real, other.num_real])
         self.fed = torch.cat([self.fed, other.fed])
         self.forwards += other.forwards

@@ -204,7 +204,7 @@ class _Loop:
         else:
             proposed = accepted = [0] * len(rows)
             batch.tokens[rows, start] = result.next_tokens
-        emitted, stopped = self.cut_at_stops(start, result.num_accepted + 1, width + 1)
+        emitted, stopped = self.cut_at_stops(start, result.num_accepted + 1, width + 1, self.longest)
         batch.lengths[rows] = start + emitted
         emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
         record = StepRecord(len(rows), choice, k, proposed, accepted, emitted, t1 - t0, t2 - t1, ctx.rows,
@@ -257,14 +257,15 @@ class _Loop:
         record.gammas = {row: gammas[i, :count[i]].tolist() for i, row in enumerate(self.batch.active.tolist())}
         record.replay_s = dict(enumerate(seconds))
 
-    def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor,
-                     most: int | None = None) -> tuple[torch.Tensor, bool]:
+    def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor, most: int | None = None,
+                     longest: int | None = None) -> tuple[torch.Tensor, bool]:
         """Check the stopping criteria after each new token, as generate() does per step; returns
         the number of new tokens each row keeps [n] and whether any row stopped. most: the
-        largest `emitted`, if known (saves a host sync)."""
+        largest `emitted`, if known (saves a host sync); longest: the largest `start`, if known."""
         rows = self.batch.active
         if self._plain_criteria:
-            stopped = self._plain_stops(start, emitted, int(emitted.max()) if most is None else most)
+            most = int(emitted.max()) if most is None else most
+            stopped = self._plain_stops(start, emitted, most, longest)
             if stopped is None:
                 return emitted, False
         else:
@@ -301,18 +302,25 @@ class _Loop:
                         stopped[i] = length
         return stopped
 
-    def _plain_stops(self, start: torch.Tensor, emitted: torch.Tensor, most: int) -> torch.Tensor | None:
+    def _plain_stops(self, start: torch.Tensor, emitted: torch.Tensor, most: int,
+                     longest: int | None) -> torch.Tensor | None:
         """generate()'s own criteria (max length, EOS) judged for every new token at once, as the
         calls above would (they see only the length and the last token): a step that emits k + 1
         tokens per row at different lengths would otherwise cost up to (k + 1) x rows criteria calls.
         None if no row stopped (active rows never had: a stop here retires its row)."""
         rows, tokens = self.batch.active, self.batch.tokens
+        reaches_max = longest is None or longest + most >= self._max_length     # a row may reach max_length
+        if self._eos is None and not reaches_max:
+            return None
+        # (each of these small ops costs ~10 us on a CPU, a plain step's bookkeeping ~1 ms in all)
         offsets = torch.arange(most, device=start.device)
         positions = (start[:, None] + offsets).clamp_(max=tokens.shape[1] - 1)   # [n, j]: the j-th new token
-        hit = positions + 1 >= self._max_length
-        if self._eos is not None:
-            hit |= torch.isin(tokens[rows[:, None], positions], self._eos)
-        hit &= offsets < emitted[:, None]
+        hit = torch.isin(tokens[rows[:, None], positions], self._eos) if self._eos is not None else None
+        if reaches_max:
+            at_max = positions + 1 >= self._max_length
+            hit = at_max if hit is None else hit | at_max
+        if most > 1:              # every row emits at least one token
+            hit &= offsets < emitted[:, None]
         if not bool(hit.any()):
             return None
         return torch.where(hit.any(1), start + hit.int().argmax(1) + 1, -1)

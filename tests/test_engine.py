@@ -104,7 +104,8 @@ def test_engine_refuses_bad_input_before_any_work(models):
 
 def test_rows_leaving_free_their_cache_slots(models):
     """A long row's left padding of the others is dropped when it leaves: under sustained load the
-    cache stays as wide as the rows still running need, and their logits stay the same."""
+    cache stays as wide as the rows still running need, and their logits stay the same. Once no
+    slot is a hole the forward passes no mask, as generate() drops an all-ones one."""
     from hf_specdec.cached_model import CachedModel
     from hf_specdec.sequences import SequenceBatch
     target, _ = models
@@ -112,13 +113,18 @@ def test_rows_leaving_free_their_cache_slots(models):
     batch = SequenceBatch(ids, (ids != 0).long(), max_length=40, pad_token_id=0)
     runner = CachedModel(target)
     runner.reset(batch)
+    masks = []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
     runner.forward(*runner.pending(batch), keep=1)
-    assert runner.num_slots == 12
+    assert runner.num_slots == 12 and runner.holes and masks[-1] is not None    # the padding is masked
     batch.active = batch.active[1:]
     runner.select_rows(torch.tensor([1]))
     assert runner.num_slots == 3                                 # only the short row's own slots
+    assert not runner.holes                                      # no holes left: no mask, as generate()
     batch.tokens[1, 12] = 8
     batch.lengths[1] += 1
     logits = runner.forward(*runner.pending(batch), keep=1)[0, -1]
+    hook.remove()
+    assert masks[-1] is None
     alone = target(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
     torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
