@@ -195,8 +195,8 @@ class AdaSpec(LengthPolicy):
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
     a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
     draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain
-    to rule drafting out, so it keeps being measured (once it is sure, the gap doubles after each
-    probe, up to 32 x probe_every; never at a call's first step). A probe drafts and verifies, in
+    to rule drafting out, so it keeps being measured (asked every probe_every idle steps; once it
+    is sure, the gap doubles after each probe, up to 32 x probe_every; never at a call's first step). A probe drafts and verifies, in
     every row, the length that would be best at the acceptance's upper confidence bound.
     probe_budget: once sure, the share of the plain steps' time that the probes may lose (unsure:
     at most drafting's optimistic gain)."""
@@ -268,12 +268,18 @@ class AdaSpec(LengthPolicy):
         # worth checking, and short once acceptance is known to be low (every draft past the first
         # rejected one is wasted: with the tiny pair's useless draft, five of a probe's six drafts
         # were never judged).
+        # No probe at a call's first step, where the last call's idle steps could put one: that step
+        # also prefills the prompt and `learn` leaves its time out, so the probe taught acceptance
+        # but never the drafting cost (tiny pair, B=8: one such probe per call, plain decoding for
+        # the rest of it, call after call, at 0.86x fixed:2). Nor is it counted as idle.
+        if ctx.step == 0:
+            return 0
         self.idle += 1
-        # probe_gap >= probe_every: no probe yet. Nor at a call's first step, where the last call's
-        # idle steps would put it: that step also prefills the prompt and `learn` leaves its time
-        # out, so the probe taught acceptance but never the drafting cost (tiny pair, B=8: one such
-        # probe per call, plain decoding for the rest of it, call after call, at 0.86x fixed:2)
-        if self.idle < self.probe_every or ctx.step == 0:
+        # Whether to probe is asked every probe_every idle steps (probe_gap is a multiple of it):
+        # asking weighs drafting at two more acceptances, most of a decision's cost, and where
+        # nothing pays that cost is what AdaSpec loses to plain decoding (tiny pair, B=2: ~0.2 ms
+        # a step, 1.5%, when asked every step)
+        if self.idle % self.probe_every:
             return 0
         plain_s = self.model.step_time(batch, ctx.context_tokens, 0, batch)
         optimistic, length = best_drafting(self.optimistic_acceptance())
