@@ -709,6 +709,22 @@ def test_confidence_threshold_gives_rows_different_lengths(models):
     assert any(len(set(s.proposed)) > 1 for s in out.spec_stats.steps)
 
 
+def test_rows_stop_drafting_where_the_policy_says_and_stay_stopped(models):
+    """`continue_drafting` answers per row: row b says no after b + 1 drafts, then yes, then no
+    again. Each row keeps the drafts it had when it first said no; outputs stay generate()'s."""
+    class PerRow(hf_specdec.policies.LengthPolicy):
+        def choose(self, ctx):
+            return 4
+        def continue_drafting(self, confidences):
+            return [len(row) not in (b + 1, b + 3) for b, row in enumerate(confidences)]
+    target, draft = models
+    ids, mask = prompts(3, seed=5)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12)
+    out = spec(target, [draft], PerRow(), return_dict_in_generate=True, **kwargs)
+    assert out.spec_stats.steps[0].proposed == [1, 2, 3]
+    assert_same(out.sequences, target.generate(**kwargs))
+
+
 def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeypatch):
     target, draft = build("llama", 2, seed=0), build("llama", 1, seed=1)
     prof = profile(target, draft, batch_sizes=(1, 2), widths=(1, 2), contexts=(4, 8), lags=(1, 3), repeats=1,

@@ -44,8 +44,7 @@ class ModelDrafter(Drafter):
             logits = self.runner.forward(tokens, real, keep=1)
         self._head = None
         self._spec_start = self.runner.num_slots
-        lengths = torch.full_like(start, k)
-        alive = torch.ones_like(start, dtype=torch.bool)
+        lengths = [k] * len(rows)                        # on the host: the controller answers in lists
         drafts, probs, seen, confidence = [], [], [], []
         asked = [[] for _ in range(len(rows))]           # confidences on the host, a column per draft
         for j in range(k):
@@ -61,17 +60,16 @@ class ModelDrafter(Drafter):
             if controller is not None and j < k - 1:
                 for row, c in zip(asked, confidence[-1].tolist()):
                     row.append(c)
-                more = torch.tensor(controller(asked), device=alive.device)
-                lengths = torch.where(alive & ~more, j + 1, lengths)
-                alive &= more
-                if not bool(alive.any()):
+                # a row that says no keeps its j + 1 drafts (a row that stopped stays stopped)
+                lengths = [j + 1 if n == k and not more else n for n, more in zip(lengths, controller(asked))]
+                if k not in lengths:
                     break
             if j < k - 1:
                 logits = self.runner.forward(token[:, None], torch.ones_like(token[:, None], dtype=torch.bool), 1)
         self._fed_drafts = len(drafts) - 1               # the last draft was never fed
         self._known = torch.stack(seen, 1)               # [n, k', vocab] predicts start .. start+k'-1
         self._known_start = start.clone()
-        return Proposal(torch.stack(drafts, 1), lengths.clamp(max=len(drafts)),
+        return Proposal(torch.stack(drafts, 1), torch.tensor(lengths, device=start.device),
                         torch.stack(probs, 1) if probs else None, torch.stack(confidence, 1))
 
     def accepted(self, num_accepted):
