@@ -115,16 +115,18 @@ def test_rows_leaving_free_their_cache_slots(models):
     runner.reset(batch)
     masks = []
     hook = target.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
-    runner.forward(*runner.pending(batch), keep=1)
-    assert runner.num_slots == 12 and runner.holes and masks[-1] is not None    # the padding is masked
-    batch.active = batch.active[1:]
-    runner.select_rows(torch.tensor([1]))
-    assert runner.num_slots == 3                                 # only the short row's own slots
-    assert not runner.holes                                      # no holes left: no mask, as generate()
-    batch.tokens[1, 12] = 8
-    batch.lengths[1] += 1
-    logits = runner.forward(*runner.pending(batch), keep=1)[0, -1]
-    hook.remove()
-    assert masks[-1] is None
+    try:
+        runner.forward(*runner.pending(batch), keep=1)
+        assert runner.num_slots == 12 and runner.holes and masks[-1] is not None    # the padding is masked
+        batch.active = batch.active[1:]
+        runner.select_rows(torch.tensor([1]))
+        assert runner.num_slots == 3                                 # only the short row's own slots
+        assert not runner.holes                                      # no holes left: no mask, as generate()
+        batch.tokens[1, 12] = 8
+        batch.lengths[1] += 1
+        logits = runner.forward(*runner.pending(batch), keep=1)[0, -1]
+        assert masks[-1] is None
+    finally:
+        hook.remove()
     alone = target(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
     torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
