@@ -68,7 +68,7 @@ class CachedModel:
         near_prompt = int(end.min()) - width < batch.prompt_len     # (decoding steps are past every prompt)
         self.fed = end.clone()
         if width == 1 and not near_prompt:         # steady decoding: each row's last token (fewer ops)
-            return batch.tokens[rows, end - 1][:, None], torch.ones(len(rows), 1, dtype=torch.bool, device=end.device)
+            return batch.tokens[rows, end - 1][:, None], (lag > 0)[:, None]       # rows without lag: a hole
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
         index = (end[:, None] + offsets).clamp(min=0)                            # [n, width]
         real = offsets >= -lag[:, None]

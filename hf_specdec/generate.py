@@ -96,7 +96,7 @@ class _Loop:
         eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
         self._eos = torch.cat(eos) if eos else None
         self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria),
-                               default=batch.tokens.shape[1] + 1)
+                               default=batch.max_length + 1)      # none: rows stop at their limit only
 
     def run(self) -> SpecStats:
         names = [d.name for d in self.drafters]

@@ -130,3 +130,33 @@ def test_rows_leaving_free_their_cache_slots(models):
         hook.remove()
     alone = target(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
     torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_pending_leaves_rows_without_lag_as_holes(models):
+    """A joiner prefilled to its last token has no lag while the running rows lag one (a drafter
+    that sat out a step): its slot in the next forward is a hole, not its last token fed twice."""
+    from hf_specdec.cached_model import CachedModel
+    from hf_specdec.sequences import SequenceBatch
+    target, _ = models
+    ids = torch.tensor([[5, 6, 7, 8], [4, 5, 6, 7]])
+    batch = SequenceBatch(ids, torch.ones_like(ids), max_length=20, pad_token_id=0)
+    runner = CachedModel(target)
+    runner.reset(batch)
+    batch.tokens[:, 4] = 9
+    batch.lengths += 1
+    runner.forward(*runner.pending(batch), keep=1)              # both rows fed up to length 5
+    batch.tokens[0, 5] = 3
+    batch.lengths[0] += 1                                      # row 0 lags one token, row 1 none
+    tokens, real = runner.pending(batch)
+    assert tokens[0].tolist() == [3] and real.tolist() == [[True], [False]]
+
+
+def test_requests_longer_than_the_first_buffer_get_all_their_tokens(models):
+    """The token buffer grows as rows get longer; a request may outgrow its first size (the
+    prompt width + `SequenceBatch.GROWTH`) and still gets every token it asked for."""
+    target, draft = models
+    result = Engine(target, [draft], hf_specdec.FixedLength(3), max_batch=1, max_prompt_len=4).run(
+        [Request(0, 0.0, 3, 100)], [[5, 6, 7]])
+    alone = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=100, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, 3:].tolist()
+    assert result.outputs[0] == alone
