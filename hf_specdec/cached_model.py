@@ -35,7 +35,6 @@ class CachedModel:
         self.cache = _compat.new_cache(self.model)
         self.forwards = 0
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
-        self.holes = False                                                        # any slot_mask False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
         if from_first_real:
@@ -50,6 +49,11 @@ class CachedModel:
     @property
     def num_slots(self) -> int:
         return self.slot_mask.shape[1]
+
+    @property
+    def holes(self) -> bool:
+        """Whether any slot is a hole (padding, a rolled-back draft) in some row."""
+        return not bool(self.slot_mask.all())
 
     def lag(self, batch: SequenceBatch, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens each active row has not fed yet [n]; lengths: the active rows' [n], if at hand."""
@@ -85,7 +89,6 @@ class CachedModel:
         tokens, real = tokens.to(self.device), real.to(self.device)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
         self.slot_mask = torch.cat([self.slot_mask, real], dim=1)
-        self.holes = self.holes or not bool(real.all())
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
         # no mask without holes, as generate() drops an all-ones one: building and applying it costs
         # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
@@ -133,7 +136,6 @@ class CachedModel:
         _compat.crop(self.cache, self.num_slots - last_used)
         _compat.drop_front(self.cache, first_used)
         self.slot_mask = self.slot_mask[:, first_used:last_used]
-        self.holes = not bool(self.slot_mask.all())
 
     def append(self, other: "CachedModel") -> None:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
@@ -143,7 +145,6 @@ class CachedModel:
             return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
         _compat.append_rows(self.cache, len(self.fed), other.cache, len(other.fed))
         self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
-        self.holes = not bool(self.slot_mask.all())
         self.num_real = torch.cat([self.num_real, other.num_real])
         self.fed = torch.cat([self.fed, other.fed])
         self.forwards += other.forwards

@@ -7,6 +7,8 @@ import torch
 
 import hf_specdec
 from helpers import Scripted
+from hf_specdec.cached_model import CachedModel
+from hf_specdec.sequences import SequenceBatch
 from hf_specdec.serving import Engine, Request
 from hf_specdec.testing import build, noisy_copy
 
@@ -106,8 +108,6 @@ def test_rows_leaving_free_their_cache_slots(models):
     """A long row's left padding of the others is dropped when it leaves: under sustained load the
     cache stays as wide as the rows still running need, and their logits stay the same. Once no
     slot is a hole the forward passes no mask, as generate() drops an all-ones one."""
-    from hf_specdec.cached_model import CachedModel
-    from hf_specdec.sequences import SequenceBatch
     target, _ = models
     ids = torch.tensor([[7] * 12, [0] * 9 + [5, 6, 7]])
     batch = SequenceBatch(ids, (ids != 0).long(), max_length=40, pad_token_id=0)
@@ -135,8 +135,6 @@ def test_rows_leaving_free_their_cache_slots(models):
 def test_pending_leaves_rows_without_lag_as_holes(models):
     """A joiner prefilled to its last token has no lag while the running rows lag one (a drafter
     that sat out a step): its slot in the next forward is a hole, not its last token fed twice."""
-    from hf_specdec.cached_model import CachedModel
-    from hf_specdec.sequences import SequenceBatch
     target, _ = models
     ids = torch.tensor([[5, 6, 7, 8], [4, 5, 6, 7]])
     batch = SequenceBatch(ids, torch.ones_like(ids), max_length=20, pad_token_id=0)
