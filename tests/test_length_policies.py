@@ -577,6 +577,22 @@ def test_adaspec_does_not_probe_at_a_calls_first_step():
     assert sum(k > 0 for k in lengths) == 1, lengths
 
 
+def test_adaspec_weighs_drafting_when_the_batch_changes_and_otherwise_every_probe_every_idle_steps():
+    """Idle, AdaSpec weighs drafting again (every length: most of a decision's cost) only every
+    probe_every steps or when the batch size changes, so a drop in load is answered at once. At
+    B=64 no draft pays (the toy target's verification cost grows with its batch tokens), at B=1 it does."""
+    policy = hf_specdec.AdaSpec(toy_profile(), max_len=6, prior_confidence=0.9, calibrate=False, probe_every=4)
+    goodput, weighed = policy.model.goodput, []
+    policy.model.goodput = lambda *args, **kwargs: weighed.append(True) or goodput(*args, **kwargs)
+    asked = []
+    for step in range(1, 13):
+        weighed.clear()
+        assert policy.choose(StepContext(step, 64, 1, list(range(64)), context_tokens=64 * 64)) == 0
+        asked.append(bool(weighed))
+    assert asked == [step == 1 or step % 4 == 0 for step in range(1, 13)], asked
+    assert policy.choose(StepContext(13, 1, 1, [0], context_tokens=64)) > 0
+
+
 def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():
     """An exact drafter with flat distributions (confidence 0.05) on a machine where every step runs
     30% faster than profiled. Plain steps get corrected at once; a probe's step must count too

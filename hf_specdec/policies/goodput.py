@@ -219,6 +219,7 @@ class AdaSpec(LengthPolicy):
             raise ValueError(f"AdaSpec(probe_budget) must be a number > 0, got {probe_budget!r}")
         self.probe_budget = probe_budget
         self.idle = 0                                            # steps since the last drafting step
+        self.asked_batch = 0                                     # the batch size drafting was last weighed at
         self.probing = False                                     # this step drafts to measure
         self.guess = prior_confidence          # mean_acceptance(), updated when drafts are verified
         self.probe_gap = self.probe_every                        # idle steps before the next probe
@@ -232,6 +233,16 @@ class AdaSpec(LengthPolicy):
         batch = ctx.batch_size
         if ctx.static_batch:
             self.finishing.update(ctx)
+        # While drafting is off its answer moves with the batch size, and otherwise slowly (the
+        # acceptance guess moves only when drafts are verified; the context, the steps left and the
+        # corrections a little each step): between the probe questions, asked every probe_every idle
+        # steps, an idle step of the same batch size does not ask again. Asking weighs every length
+        # (~0.1 ms, ~0.7% of a tiny-pair step at B=2), and where nothing pays that is what AdaSpec
+        # loses to plain decoding.
+        if ctx.step and self.idle and (self.idle + 1) % self.probe_every and batch == self.asked_batch:
+            self.idle += 1
+            return 0
+        self.asked_batch = batch
         # The draft's catch-up (after plain steps; a call's first drafts prefill its prompt) is paid
         # once, by the first drafting step, for drafting over the rest of the call: it is spread over
         # the steps left at that rate. A short call cannot repay a long prompt's catch-up (SmolLM2,
@@ -276,10 +287,7 @@ class AdaSpec(LengthPolicy):
         if ctx.step == 0:
             return 0
         self.idle += 1
-        # Whether to probe is asked every probe_every idle steps (probe_gap is a multiple of it):
-        # asking weighs drafting at two more acceptances, most of a decision's cost, and where
-        # nothing pays that cost is what AdaSpec loses to plain decoding (tiny pair, B=2: ~0.2 ms
-        # a step, 1.5%, when asked every step)
+        # Whether to probe is asked every probe_every idle steps (probe_gap is a multiple of it)
         if self.idle % self.probe_every:
             return 0
         plain_s = self.model.step_time(batch, ctx.context_tokens, 0, batch)
