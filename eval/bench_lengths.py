@@ -215,14 +215,18 @@ def run_env(name, args, save=lambda results: None) -> dict:
         key = "changing" if batch == "changing" else str(batch)
         results["batches"][key] = {"oracle": oracle, "methods": rows_out}
         if args.confirm_repeats:
-            # fresh runs of the chosen oracle beside plain and every method that is not a fixed k
-            confirm = ["plain"] + [m for m in methods if m != "plain" and (m == oracle or m not in fixed)]
+            # fresh runs of the chosen oracle beside plain and every method that is not a fixed k; on
+            # the changing run every fixed k (the target there: above each of them)
+            every_k = batch == "changing"
+            confirm = ["plain"] + [m for m in methods if m != "plain" and (m == oracle or m not in fixed or every_k)]
             c_outs, c_times, _ = timed_rounds(confirm, args.confirm_repeats, f"{name} batch={batch} confirm",
                                               run_one)
             results["batches"][key]["confirm"] = {m: {
                 "seconds": [round(t, 4) for t in c_times[m]],
                 "x_oracle": paired_speed(c_times[oracle], c_times[m]),
                 "x_plain": paired_speed(c_times["plain"], c_times[m]),
+                **({"x_fixed": {k: paired_speed(c_times[k], c_times[m]) for k in confirm if k.startswith("fixed:")}}
+                   if every_k and m not in fixed else {}),
                 "identical_to_plain": bool(torch.equal(c_outs[m].sequences, plain)),
             } for m in confirm}
         logger.info("%s batch=%s oracle=%s %s", name, batch, oracle,
@@ -269,6 +273,15 @@ def markdown(all_results: dict, args) -> str:
                     cells.append(f"{r['x_oracle']['median']:.2f} / {r['x_plain']['median']:.2f} "
                                  f"[{lo:.2f}, {hi:.2f}]{mark}")
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append("")
+        against = {m: r["x_fixed"] for m, r in res["batches"].get("changing", {}).get("confirm", {}).items()
+                   if "x_fixed" in r}
+        if against:
+            ks = list(next(iter(against.values())))
+            lines += [f"### {env}: changing run, confirming round: speed x each fixed k [bootstrap 90% interval]", "",
+                      "| method | " + " | ".join(ks) + " |", "|---|" + "---:|" * len(ks)]
+            lines += [f"| {m} | " + " | ".join(f"{r[k]['median']:.2f} [{r[k]['ci90'][0]:.2f}, {r[k]['ci90'][1]:.2f}]"
+                                               for k in ks) + " |" for m, r in against.items()]
             lines.append("")
     return "\n".join(lines) + "\n"
 

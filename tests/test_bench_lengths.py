@@ -21,16 +21,21 @@ def test_paired_speed_is_the_median_of_per_round_ratios_with_an_interval_around_
 
 
 def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path):
+    """... and on the changing run every fixed k, with each policy's paired speed over each."""
     out = tmp_path / "bench"
-    bench_lengths.main(["--envs", "tiny-useless", "--batch-sizes", "1", "--changing-rows", "0",
-                        "--max-new-tokens", "4", "--repeats", "1", "--confirm-repeats", "2", "--learn-runs", "0",
-                        "--methods", "fixed:1,nightjar", "--out", str(out)])
-    batch = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]["1"]
-    oracle, confirm = batch["oracle"], batch["confirm"]
-    assert oracle in ("plain", "fixed:1")
+    bench_lengths.main(["--envs", "tiny-useless", "--batch-sizes", "1", "--changing-rows", "3",
+                        "--max-new-tokens", "6", "--repeats", "1", "--confirm-repeats", "2", "--learn-runs", "0",
+                        "--methods", "fixed:1,fixed:2,nightjar", "--out", str(out)])
+    batches = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]
+    oracle, confirm = batches["1"]["oracle"], batches["1"]["confirm"]
+    assert oracle in ("plain", "fixed:1", "fixed:2")
     assert set(confirm) == {"plain", oracle, "nightjar"}
     for row in confirm.values():
-        assert len(row["seconds"]) == 2 and row["identical_to_plain"]
+        assert len(row["seconds"]) == 2 and row["identical_to_plain"] and "x_fixed" not in row
     assert confirm[oracle]["x_oracle"] == {"median": 1.0, "ci90": [1.0, 1.0]}
     assert confirm["plain"]["x_plain"]["median"] == 1.0
-    assert "confirming round" in out.with_suffix(".md").read_text()
+    changing = batches["changing"]["confirm"]
+    assert set(changing) == {"plain", "fixed:1", "fixed:2", "nightjar"}
+    assert set(changing["nightjar"]["x_fixed"]) == {"fixed:1", "fixed:2"}
+    text = out.with_suffix(".md").read_text()
+    assert "confirming round" in text and "speed x each fixed k" in text
