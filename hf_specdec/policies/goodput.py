@@ -197,8 +197,9 @@ class AdaSpec(LengthPolicy):
     draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain
     to rule drafting out, so it keeps being measured (asked every probe_every idle steps; once it
     is sure, the gap doubles after each probe, up to 32 x probe_every; never at a call's first
-    step). A probe drafts and verifies, in every row, the length that would be best at the
-    acceptance's upper confidence bound.
+    step); idle steps of an unchanged batch size weigh drafting itself only as often. A probe
+    drafts and verifies, in every row, the length that would be best at the acceptance's upper
+    confidence bound.
     probe_budget: once sure, the share of the plain steps' time that the probes may lose (unsure:
     at most drafting's optimistic gain)."""
 
