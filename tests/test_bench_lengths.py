@@ -21,7 +21,8 @@ def test_paired_speed_is_the_median_of_per_round_ratios_with_an_interval_around_
 
 
 def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path):
-    """... and on the changing run every fixed k, with each policy's paired speed over each."""
+    """The confirming round times plain, the oracle and the policies again; on the changing run also
+    every fixed k, with each policy's paired speed over each."""
     out = tmp_path / "bench"
     bench_lengths.main(["--envs", "tiny-useless", "--batch-sizes", "1", "--changing-rows", "3",
                         "--max-new-tokens", "6", "--repeats", "1", "--confirm-repeats", "2", "--learn-runs", "0",
