@@ -14,7 +14,8 @@ profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy obj
 whole environment, so Nightjar learns per batch size across runs, as a server would; before the
 timed runs of a batch size, the learning policies get --learn-runs untimed runs of it. Besides the
 fixed batch sizes, a "changing" run starts --changing-rows rows whose output budgets range from 4
-tokens to --max-new-tokens, so the batch shrinks as rows finish. fixed:0 decodes plain in our
+tokens to --max-new-tokens (--changing-spread: evenly, geometrically, or bimodal: a few long rows
+among short ones), so the batch shrinks as rows finish. fixed:0 decodes plain in our
 loop, which drops finished rows from the batch (Transformers' plain generate() keeps computing
 them until the last row is done): the control for what speculation itself adds there.
 The oracle (the best of plain and fixed k by median tokens/s) is the largest of eight noisy
@@ -158,6 +159,20 @@ def new_tokens(out, prompt_len, eos):
     return sum(int(e[0]) + 1 if len(e) else len(row) for e, row in zip(ends, new))
 
 
+def changing_budgets(rows: int, longest: int, spread: str) -> list[int]:
+    """New-token budgets of the changing run's rows: from 4 to `longest` spaced evenly ("linear":
+    the batch shrinks steadily, so most of the time is spent at large batch sizes) or by a constant
+    factor ("geometric": most rows short, a few long, as served output lengths are); or "bimodal":
+    one row in 16 runs to `longest`, the others to a quarter of it (short answers beside a few long
+    ones: about as much time at the full batch as at a sixteenth of it)."""
+    frac = [i / max(rows - 1, 1) for i in range(rows)]
+    if spread == "linear":
+        return [round(4 + (longest - 4) * f) for f in frac]
+    if spread == "geometric":
+        return [round(4 * (longest / 4) ** f) for f in frac]
+    return [longest if i % 16 == 15 else max(longest // 4, 1) for i in range(rows)]
+
+
 def run_env(name, args, save=lambda results: None) -> dict:
     """Every method on every batch size of one environment; `save(results)` after each batch size."""
     model, drafter, make_inputs = ENVS[name]()
@@ -165,8 +180,9 @@ def run_env(name, args, save=lambda results: None) -> dict:
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     changing = [("changing", args.changing_rows)] if args.changing_rows else []
-    prof = env_profile(model, drafter, sorted({*args.batch_sizes, *(rows for _, rows in changing)}),
-                       make_inputs(1)["input_ids"].shape[1])
+    # profiled at every batch size timed, and at the powers of two the changing run shrinks through
+    shrinking = {b for _, rows in changing for b in (rows, *(2 ** i for i in range(rows.bit_length())))}
+    prof = env_profile(model, drafter, sorted({*args.batch_sizes, *shrinking}), make_inputs(1)["input_ids"].shape[1])
     methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
     results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}}
     for batch, rows in [(b, b) for b in args.batch_sizes] + changing:
@@ -174,7 +190,7 @@ def run_env(name, args, save=lambda results: None) -> dict:
         prompt_len = inputs["input_ids"].shape[1]
         criteria = None
         if batch == "changing":
-            budget = [round(4 + (args.max_new_tokens - 4) * i / max(rows - 1, 1)) for i in range(rows)]
+            budget = changing_budgets(rows, args.max_new_tokens, args.changing_spread)
             criteria = RowBudget(prompt_len, budget)
         run(model, drafter, None, inputs, argparse.Namespace(max_new_tokens=2), None)          # warm-up
         for _ in range(args.learn_runs):          # learning policies see this batch size first, untimed
@@ -315,7 +331,7 @@ def plot(all_results: dict, path: Path) -> None:
 def parse_env_args(parser: argparse.ArgumentParser, argv, envs: dict) -> argparse.Namespace:
     """Parse; --batch-sizes to ints, --envs checked against `envs`; logging on, autograd off."""
     args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]   # "": the changing run only
     unknown = [e for e in args.envs.split(",") if e not in envs]
     if unknown:
         parser.error(f"--envs: unknown {unknown}; known: {sorted(envs)}")
@@ -338,6 +354,8 @@ def main(argv=None):
                         help="untimed runs of the learning policies per batch size before timing (0: none)")
     parser.add_argument("--changing-rows", type=int, default=16,
                         help="rows of the run whose batch shrinks as rows finish (0: skip it; tiny envs: up to 64)")
+    parser.add_argument("--changing-spread", choices=("linear", "geometric", "bimodal"), default="linear",
+                        help="how the changing run's output budgets spread from 4 to --max-new-tokens")
     parser.add_argument("--out", default="results/bench_lengths")
     parser.add_argument("--methods", default=None, help="comma-separated subset (default: all; plain is always run)")
     args = parse_env_args(parser, argv, ENVS)

@@ -20,6 +20,16 @@ def test_paired_speed_is_the_median_of_per_round_ratios_with_an_interval_around_
     assert lo < noisy["median"] < hi and lo >= 0.9 and hi <= 1.2
 
 
+def test_changing_run_budgets_spread_from_short_to_long():
+    for spread in ("linear", "geometric"):
+        budgets = bench_lengths.changing_budgets(64, 128, spread)
+        assert budgets[0] == 4 and budgets[-1] == 128 and budgets == sorted(budgets)
+    # geometric: most rows short (the batch halves within the first ~16 tokens of 128)
+    assert bench_lengths.changing_budgets(64, 128, "geometric")[32] < 24 < bench_lengths.changing_budgets(64, 128, "linear")[32]
+    bimodal = bench_lengths.changing_budgets(64, 128, "bimodal")
+    assert sorted(set(bimodal)) == [32, 128] and bimodal.count(128) == 4
+
+
 def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path):
     """The confirming round times plain, the oracle and the policies again; on the changing run also
     every fixed k, with each policy's paired speed over each."""
