@@ -252,7 +252,8 @@ def run_env(name, args, save=lambda results: None) -> dict:
 
 
 def markdown(all_results: dict, args) -> str:
-    lines = [f"# Draft-length policies: greedy, {args.max_new_tokens} new tokens, median of {args.repeats} runs", ""]
+    changing = f"; changing run: {args.changing_rows} rows, {args.changing_spread} budgets" if args.changing_rows else ""
+    lines = [f"# Draft-length policies: greedy, {args.max_new_tokens} new tokens, median of {args.repeats} runs{changing}", ""]
     for env, res in all_results.items():
         batches = list(res["batches"])
         methods = list(res["batches"][batches[0]]["methods"])
