@@ -165,12 +165,12 @@ def changing_budgets(rows: int, longest: int, spread: str) -> list[int]:
     factor ("geometric": most rows short, a few long, as served output lengths are); or "bimodal":
     one row in 16 runs to `longest`, the others to a quarter of it (short answers beside a few long
     ones: about as much time at the full batch as at a sixteenth of it)."""
+    if spread == "bimodal":
+        return [longest if i % 16 == 15 else max(longest // 4, 1) for i in range(rows)]
     frac = [i / max(rows - 1, 1) for i in range(rows)]
     if spread == "linear":
         return [round(4 + (longest - 4) * f) for f in frac]
-    if spread == "geometric":
-        return [round(4 * (longest / 4) ** f) for f in frac]
-    return [longest if i % 16 == 15 else max(longest // 4, 1) for i in range(rows)]
+    return [round(4 * (longest / 4) ** f) for f in frac]
 
 
 def run_env(name, args, save=lambda results: None) -> dict:
