@@ -40,9 +40,10 @@ class Sim:
     """Plays a length policy against the simulated environment; drafts are accepted independently
     with probability alpha each (expected_tokens(k) per row and step)."""
 
-    def __init__(self, policy, switch_seconds=0.0, seed=0, alpha=ALPHA, plain_stalls=()):
+    def __init__(self, policy, switch_seconds=0.0, seed=0, alpha=ALPHA, plain_stalls=(), slow_spell=range(0)):
         self.policy, self.switch_seconds, self.alpha = policy, switch_seconds, alpha
         self.plain_stalls, self.plain_steps = set(plain_stalls), 0   # these plain steps stall (x50)
+        self.slow_spell = slow_spell     # during these steps, plain steps take twice as long
         self.rng = random.Random(seed)
         self.previous_k, self.lag, self.step, self.remaining = None, 0, 0, 0
         self.choices = []
@@ -67,6 +68,7 @@ class Sim:
             seconds = step_time(batch, k) * self.rng.uniform(0.98, 1.02)
             if k == 0:
                 seconds *= 50 if self.plain_steps in self.plain_stalls else 1
+                seconds *= 2 if len(self.choices) in self.slow_spell else 1
                 self.plain_steps += 1
             drafting = seconds * 0.15 * batch * k / (1 + 0.3 * batch * k)   # half the extra time drafts
             if k > 0 and self.previous_k == 0:
@@ -106,6 +108,15 @@ def test_nightjar_is_not_thrown_off_by_a_stalled_step():
     sim = Sim(hf_specdec.Nightjar(max_len=6, seed=1), plain_stalls=range(3, 23))
     ks = sim.run(16, 800)
     assert Counter(ks[-300:])[0] >= 0.7 * 300, Counter(ks[-300:])
+
+
+def test_nightjar_measures_again_what_it_timed_in_a_slow_spell():
+    # plain steps take twice as long for the first 100 steps (the machine was busy), speculation
+    # does not: at B=4 (plain is best) an arm that is never played again keeps its slow spell
+    for seed in range(4):
+        sim = Sim(hf_specdec.Nightjar(max_len=6, seed=seed), seed=seed, slow_spell=range(100))
+        ks = sim.run(4, 1000)
+        assert Counter(ks[-200:])[optimum(4)] >= 0.8 * 200, (seed, Counter(ks[-200:]))
 
 
 def test_nightjar_switches_less_when_switching_is_expensive():
@@ -180,13 +191,14 @@ def test_nightjar_prunes_arms_that_cannot_beat_plain_even_if_every_draft_is_acce
 
 def test_nightjar_explores_the_arms_that_could_still_win():
     """Where k = 1..3 are all within ~25% of the best (k = 2), exploring them uniformly costs ~5% of
-    a 400-step run; exploring the arm with the least optimistic latency costs under 3%."""
+    a 400-step run (0.050 over 60 seeds); exploring the arm with the least optimistic latency costs
+    ~3% (0.030; with the re-measure of stale arms 0.032)."""
     latency = lambda k: step_time(1, k) / expected_tokens(k)
     regret = []
-    for seed in range(8):
+    for seed in range(24):
         ks = Sim(hf_specdec.Nightjar(max_len=6, seed=seed), seed=seed).run(1, 400)
         regret.append(sum(map(latency, ks)) / (len(ks) * latency(optimum(1))) - 1)
-    assert statistics.fmean(regret) < 0.03, regret
+    assert statistics.fmean(regret) < 0.037, regret
 
 
 def test_nightjar_counts_a_step_cut_by_the_calls_end_for_the_arm_it_chose():

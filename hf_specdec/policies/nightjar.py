@@ -45,6 +45,11 @@ first, then the longest (its drafts are judged at every depth), so most arms in 
 before they cost a bin. Where a speculative step costs many plain ones (a CPU
 at batch 16: ~20x), or drafts are rarely accepted, uniform exploration would otherwise cost more
 than the whole run gains.
+Optimism trusts what it measured, and a shared machine drifts: an arm timed in a slow spell looks
+slow for good (tiny-partial, B=33-64: plain's first 5 steps at 64 ms, 25-45 ms later, and the
+bucket drafted at 0.8x plain's speed to the end). So a block's first bin re-measures, for
+_REMEASURE_STEPS steps, an arm still in the running (plain always is) that the whole previous block
+left unplayed, its old statistics dropped.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ from . import straggler
 from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket
 
 _LOG_INV_DELTA = 4.0   # pruning confidence: ln(1 / delta)
+_REMEASURE_STEPS = 2   # a stale arm's fresh measurement (each block may take one)
 
 
 @dataclass
@@ -68,6 +74,8 @@ class _BatchState:
     bin: int = 1                   # b, within the block
     round: int = 1                 # tau, within the bin
     locked: int = 0                # k of the current bin
+    length: float = 1.0            # steps in the current bin: sqrt(H), or a stale arm's re-measure
+    played: list[int] = field(default_factory=list)     # by k: the last block that played it
     seconds: list[float] = field(default_factory=list)  # by k: step seconds, summed
     row_steps: list[int] = field(default_factory=list)  # by k: rows x steps
     depths: list[list[int]] = field(default_factory=list)  # by k, by d: row-steps that verified d drafts
@@ -104,12 +112,18 @@ class _BatchState:
         spread = math.sqrt(2 * _LOG_INV_DELTA * max(0.0, squares / n - mean * mean) / n)
         return max(self.fastest[k], mean - spread)
 
+    def forget(self, k: int) -> None:
+        """Drop arm k's statistics (not the pooled acceptance): they are to be measured afresh."""
+        self.seconds[k], self.row_steps[k], self.fastest[k] = 0.0, 0, math.inf
+        self.depths[k], self.clean[k] = [0] * len(self.depths[k]), [0, 0.0, 0.0]
+
 
 def _next_bin(state: _BatchState) -> None:
     state.bin, state.round = state.bin + 1, 1
     if state.bin > math.sqrt(state.horizon):             # block completed
         state.block += 1
         state.horizon, state.bin = 2 ** (state.block - 1), 1
+    state.length = math.sqrt(state.horizon)
 
 
 def _yields(pass_rates: list[float]) -> list[float]:
@@ -174,7 +188,8 @@ class Nightjar(LengthPolicy):
             arms = self.max_len + 1
             state = self.states[key] = _BatchState(seconds=[0.0] * arms, row_steps=[0] * arms,
                                                    depths=[[0] * arms for _ in range(arms)],
-                                                   fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)])
+                                                   fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)],
+                                                   played=[0] * arms)
         if state.round > 1 and state.locked and state.locked not in self._arms(state, ctx, 0.0):
             _next_bin(state)              # the bin's k is now known to lose: the bin ends early
         if state.round == 1:                                      # a bin starts: lock its k
@@ -182,13 +197,18 @@ class Nightjar(LengthPolicy):
             # its prompt); mid-bin the previous k is the locked one, so only here can it apply
             cost = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.previous_k == 0 else 0.0
             arms = self._arms(state, ctx, cost)
-            if self.rng.random() < 1.0 / state.bin:
+            stale = self._stale(state, arms)
+            if stale is not None:
+                state.forget(stale)
+                state.locked, state.length = stale, min(state.length, _REMEASURE_STEPS)
+            elif self.rng.random() < 1.0 / state.bin:
                 state.locked = self._explore(state, arms)
             else:
                 state.locked = self._exploit(state, arms, cost / ctx.batch_size, ctx)
         k = state.locked
+        state.played[k] = state.block
         state.round += 1
-        if state.round > math.sqrt(state.horizon):
+        if state.round > state.length:
             _next_bin(state)
         self.measured = ctx.step > 0 and (k == 0 or self.drafted)
         self.drafted |= k > 0
@@ -214,6 +234,16 @@ class Nightjar(LengthPolicy):
         bar = min(state.latency(k, worst) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
         best = _yields(self._pass_rates(+1))
         return [0] + [k for k in arms[1:] if state.best_case(k, best) + switch <= bar]
+
+    def _stale(self, state: _BatchState, arms: list[int]) -> int | None:
+        """(prune) At a block's start: the arm still in the running that the whole previous block
+        left unplayed, if any (the longest unplayed). Its statistics may be from another spell of the
+        machine (a shared CPU: plain steps timed at 64 ms in a slow spell, 25-45 ms after), and
+        optimism trusts them: a too-slow arm is never explored again. So it is measured afresh."""
+        if not self.prune or state.bin != 1:
+            return None
+        stale = [k for k in arms if state.row_steps[k] and state.played[k] < state.block - 1]
+        return min(stale, key=lambda k: state.played[k]) if stale else None
 
     def _pass_rates(self, side: int) -> list[float]:
         """By j = 1..max_len: P(a row's first j drafts are accepted), non-increasing in j: as
