@@ -45,7 +45,7 @@ first, then the longest (its drafts are judged at every depth), so most arms in 
 before they cost a bin. Where a speculative step costs many plain ones (a CPU
 at batch 16: ~20x), or drafts are rarely accepted, uniform exploration would otherwise cost more
 than the whole run gains.
-Optimism trusts what it measured, and a shared machine drifts: an arm timed in a slow spell looks
+Drift. Optimism trusts what it measured, and a shared machine drifts: an arm timed in a slow spell looks
 slow for good (tiny-partial, B=33-64: plain's first 5 steps at 64 ms, 25-45 ms later, and the
 bucket drafted at 0.8x plain's speed to the end). So a block's first bin re-measures, for
 _REMEASURE_STEPS steps, an arm still in the running (plain always is) that the whole previous block
@@ -237,9 +237,7 @@ class Nightjar(LengthPolicy):
 
     def _stale(self, state: _BatchState, arms: list[int]) -> int | None:
         """(prune) At a block's start: the arm still in the running that the whole previous block
-        left unplayed, if any (the longest unplayed). Its statistics may be from another spell of the
-        machine (a shared CPU: plain steps timed at 64 ms in a slow spell, 25-45 ms after), and
-        optimism trusts them: a too-slow arm is never explored again. So it is measured afresh."""
+        left unplayed, if any (the longest unplayed), to be measured afresh (see Nightjar: drift)."""
         if not self.prune or state.bin != 1:
             return None
         stale = [k for k in arms if state.row_steps[k] and state.played[k] < state.block - 1]
