@@ -4,6 +4,7 @@ Policies are driven first in a simulated environment whose optimum is known (ste
 acceptance as functions of batch size and k), then with real tiny models for losslessness.
 """
 import json
+import math
 import random
 import statistics
 import time
@@ -117,6 +118,25 @@ def test_nightjar_measures_again_what_it_timed_in_a_slow_spell():
         sim = Sim(hf_specdec.Nightjar(max_len=6, seed=seed), seed=seed, slow_spell=range(100))
         ks = sim.run(4, 1000)
         assert Counter(ks[-200:])[optimum(4)] >= 0.8 * 200, (seed, Counter(ks[-200:]))
+
+
+def test_nightjar_bounds_an_arm_timed_twice_by_the_machines_noise():
+    # two steps in a slow spell agree with each other: their own spread (or the faster of them)
+    # would bound the arm's mean at about what they measured, so the arm is never explored again
+    from hf_specdec.policies.nightjar import _BatchState
+    rng = random.Random(0)
+    state = _BatchState(clean=[[0, 0.0, 0.0] for _ in range(2)], fastest=[math.inf] * 2)
+
+    def time_arm(k, seconds):
+        for s in seconds:
+            state.clean[k] = [state.clean[k][0] + 1, state.clean[k][1] + s, state.clean[k][2] + s * s]
+            state.fastest[k] = min(state.fastest[k], s)
+
+    time_arm(0, [0.010 * rng.uniform(0.7, 1.3) for _ in range(40)])    # the machine's noise: ~17%
+    time_arm(1, [0.020, 0.020])                                        # timed twice, slow
+    assert state.fast_seconds(1) < 0.8 * 0.020
+    state.clean[0] = [0, 0.0, 0.0]                                     # nothing timed 3 times: the fastest
+    assert state.fast_seconds(1) == 0.020
 
 
 def test_nightjar_switches_less_when_switching_is_expensive():

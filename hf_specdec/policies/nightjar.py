@@ -104,13 +104,25 @@ class _BatchState:
     def fast_seconds(self, k: int) -> float:
         """A lower confidence bound of arm k's step seconds per row without catch-up: the mean less
         sqrt(2 ln(1/delta) var / n) (normal approximation), never below the fastest step. The
-        fastest step alone is far too optimistic where timings are noisy (a shared CPU)."""
+        fastest step alone is far too optimistic where timings are noisy (a shared CPU). Under 3
+        steps an arm's own spread means little (two steps in a slow spell agree), so its variance is
+        the machine's: the relative variance pooled over the arms timed more, and no floor."""
         n, total, squares = self.clean[k]
-        if n < 3:
+        if n == 0:
             return self.fastest[k]
         mean = total / n
+        if n < 3:
+            pooled = self.relative_variance()
+            return self.fastest[k] if pooled is None else mean * (1 - math.sqrt(2 * _LOG_INV_DELTA * pooled / n))
         spread = math.sqrt(2 * _LOG_INV_DELTA * max(0.0, squares / n - mean * mean) / n)
         return max(self.fastest[k], mean - spread)
+
+    def relative_variance(self) -> float | None:
+        """The step-time variance over mean^2, pooled over the arms with >= 3 clean steps (None: none)."""
+        timed = [(n, total / n, squares / n) for n, total, squares in self.clean if n >= 3]
+        if not timed:
+            return None
+        return sum(n * max(0.0, sq / mean ** 2 - 1) for n, mean, sq in timed) / sum(n for n, _, _ in timed)
 
     def forget(self, k: int) -> None:
         """Drop arm k's statistics (not the pooled acceptance): they are to be measured afresh."""
