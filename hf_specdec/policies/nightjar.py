@@ -113,7 +113,9 @@ class _BatchState:
         mean = total / n
         if n < 3:
             pooled = self.relative_variance()
-            return self.fastest[k] if pooled is None else mean * (1 - math.sqrt(2 * _LOG_INV_DELTA * pooled / n))
+            if pooled is None:
+                return self.fastest[k]
+            return mean * max(0.0, 1 - math.sqrt(2 * _LOG_INV_DELTA * pooled / n))
         spread = math.sqrt(2 * _LOG_INV_DELTA * max(0.0, squares / n - mean * mean) / n)
         return max(self.fastest[k], mean - spread)
 
