@@ -598,6 +598,17 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     assert drafting_steps(1.5, 16)[0] == []                  # a draft dearer than the target: no acceptance would pay
 
 
+def test_adaspec_is_as_unsure_as_the_row_steps_it_judged_not_their_drafts():
+    """A row's drafts in one step share one stretch of text: 4 row-steps that judged 6 drafts each
+    are 4 samples of acceptance, not 24 (tiny pair, B=8: a call's first few steps read 0.54, ~0.72
+    later; bounded as if independent, drafting looked sure to lose and probes grew rare)."""
+    policy = hf_specdec.AdaSpec(toy_profile(), max_len=6)
+    for _ in range(4):
+        policy.calibration.update([0.5] * 6, accepted=5, proposed=6)
+    policy.guess = 0.3
+    assert policy.optimistic_acceptance() >= 0.3 + math.sqrt(1 / 4) - 1e-9
+
+
 def test_adaspec_does_not_probe_at_a_calls_first_step():
     """The last call's idle steps make a probe due, but step 0 also prefills the prompt and its time
     is not learned from: a probe there would never teach the drafting cost. It comes within the next
