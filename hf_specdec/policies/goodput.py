@@ -169,7 +169,7 @@ class Calibration:
         self.accepted = [0] * bins
         self.judged = [0] * bins
         self.all_accepted = self.all_judged = 0
-        self.rows_judged = 0      # row-steps that judged a draft: a row's drafts in one step are not independent
+        self.rows_judged = 0      # row-steps that judged a draft (a row's drafts in a step are dependent)
 
     def _bin(self, confidence: float) -> int:
         return min(int(confidence * self.bins), self.bins - 1)
