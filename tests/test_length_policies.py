@@ -125,18 +125,17 @@ def test_nightjar_bounds_an_arm_timed_twice_by_the_machines_noise():
     # would bound the arm's mean at about what they measured, so the arm is never explored again
     from hf_specdec.policies.nightjar import _BatchState
     rng = random.Random(0)
-    state = _BatchState(clean=[[0, 0.0, 0.0] for _ in range(2)], fastest=[math.inf] * 2)
 
-    def time_arm(k, seconds):
-        for s in seconds:
-            state.clean[k] = [state.clean[k][0] + 1, state.clean[k][1] + s, state.clean[k][2] + s * s]
-            state.fastest[k] = min(state.fastest[k], s)
+    def timed(arms):
+        state = _BatchState(clean=[[0, 0.0, 0.0] for _ in range(2)], fastest=[math.inf] * 2)
+        for k, seconds in arms.items():
+            for s in seconds:
+                state.record_clean(k, s)
+        return state
 
-    time_arm(0, [0.010 * rng.uniform(0.7, 1.3) for _ in range(40)])    # the machine's noise: ~17%
-    time_arm(1, [0.020, 0.020])                                        # timed twice, slow
-    assert state.fast_seconds(1) < 0.8 * 0.020
-    state.clean[0] = [0, 0.0, 0.0]                                     # nothing timed 3 times: the fastest
-    assert state.fast_seconds(1) == 0.020
+    noise = [0.010 * rng.uniform(0.7, 1.3) for _ in range(40)]         # the machine's noise: ~17%
+    assert timed({0: noise, 1: [0.020, 0.020]}).fast_seconds(1) < 0.8 * 0.020   # arm 1: timed twice, slow
+    assert timed({1: [0.020, 0.020]}).fast_seconds(1) == 0.020         # nothing timed 3 times: the fastest
 
 
 def test_nightjar_switches_less_when_switching_is_expensive():

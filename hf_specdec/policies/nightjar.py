@@ -82,6 +82,8 @@ class _BatchState:
     fastest: list[float] = field(default_factory=list)  # by k: least step seconds per row (no catch-up)
     clean: list[list[float]] = field(default_factory=list)  # by k: [n, sum, sum of squares] of those
     draft_per_token: float = math.inf                    # least drafting seconds per row and draft
+    noise: float | None = None     # relative_variance(), kept until `clean` changes (it is read per arm)
+    noise_stale: bool = True
 
     def latency(self, k: int, yields: list[float]) -> float:
         """Seconds per token of arm k: its step seconds over the tokens its row-steps emit in
@@ -121,15 +123,23 @@ class _BatchState:
 
     def relative_variance(self) -> float | None:
         """The step-time variance over mean^2, pooled over the arms with >= 3 clean steps (None: none)."""
-        timed = [(n, total / n, squares / n) for n, total, squares in self.clean if n >= 3]
-        if not timed:
-            return None
-        return sum(n * max(0.0, sq / mean ** 2 - 1) for n, mean, sq in timed) / sum(n for n, _, _ in timed)
+        if self.noise_stale:
+            timed = [(n, total / n, squares / n) for n, total, squares in self.clean if n >= 3]
+            self.noise = sum(n * max(0.0, sq / mean ** 2 - 1) for n, mean, sq in timed) \
+                / sum(n for n, _, _ in timed) if timed else None
+            self.noise_stale = False
+        return self.noise
+
+    def record_clean(self, k: int, per_row: float) -> None:
+        """A step of arm k at its full length without catch-up, `per_row` seconds per row."""
+        self.fastest[k] = min(self.fastest[k], per_row)
+        n, total, squares = self.clean[k]
+        self.clean[k], self.noise_stale = [n + 1, total + per_row, squares + per_row * per_row], True
 
     def forget(self, k: int) -> None:
         """Drop arm k's statistics (not the pooled acceptance): they are to be measured afresh."""
         self.seconds[k], self.row_steps[k], self.fastest[k] = 0.0, 0, math.inf
-        self.depths[k], self.clean[k] = [0] * len(self.depths[k]), [0, 0.0, 0.0]
+        self.depths[k], self.clean[k], self.noise_stale = [0] * len(self.depths[k]), [0, 0.0, 0.0], True
 
 
 def _next_bin(state: _BatchState) -> None:
@@ -326,10 +336,7 @@ class Nightjar(LengthPolicy):
         for d in record.proposed:
             state.depths[k][d] += 1
         if k == record.k and (k == 0 or (not self.switched and max(record.proposed) == k)):   # full, no catch-up
-            per_row = seconds / rows
-            state.fastest[k] = min(state.fastest[k], per_row)
-            clean = state.clean[k]
-            clean[0], clean[1], clean[2] = clean[0] + 1, clean[1] + per_row, clean[2] + per_row * per_row
+            state.record_clean(k, seconds / rows)
             if k:
                 state.draft_per_token = min(state.draft_per_token, record.draft_s / (rows * k))
 
