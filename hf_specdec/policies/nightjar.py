@@ -85,6 +85,13 @@ class _BatchState:
     noise: float | None = None     # relative_variance(), kept until `clean` changes (it is read per arm)
     noise_stale: bool = True
 
+    @classmethod
+    def fresh(cls, arms: int) -> "_BatchState":
+        """Nothing measured yet for arms k = 0..arms-1."""
+        return cls(played=[0] * arms, seconds=[0.0] * arms, row_steps=[0] * arms,
+                   depths=[[0] * arms for _ in range(arms)], fastest=[math.inf] * arms,
+                   clean=[[0, 0.0, 0.0] for _ in range(arms)])
+
     def latency(self, k: int, yields: list[float]) -> float:
         """Seconds per token of arm k: its step seconds over the tokens its row-steps emit in
         expectation, yields[d] for a row that verified d drafts (pooled over arms: see Nightjar)."""
@@ -209,11 +216,7 @@ class Nightjar(LengthPolicy):
         key = self._key(ctx.batch_size)
         state = self.states.get(key)
         if state is None:
-            arms = self.max_len + 1
-            state = self.states[key] = _BatchState(seconds=[0.0] * arms, row_steps=[0] * arms,
-                                                   depths=[[0] * arms for _ in range(arms)],
-                                                   fastest=[math.inf] * arms, clean=[[0, 0.0, 0.0] for _ in range(arms)],
-                                                   played=[0] * arms)
+            state = self.states[key] = _BatchState.fresh(self.max_len + 1)
         if state.round > 1 and state.locked and state.locked not in self._arms(state, ctx, 0.0):
             _next_bin(state)              # the bin's k is now known to lose: the bin ends early
         if state.round == 1:                                      # a bin starts: lock its k
