@@ -127,7 +127,7 @@ def test_nightjar_bounds_an_arm_timed_twice_by_the_machines_noise():
     rng = random.Random(0)
 
     def timed(arms):
-        state = _BatchState(clean=[[0, 0.0, 0.0] for _ in range(2)], fastest=[math.inf] * 2)
+        state = _BatchState.fresh(2)
         for k, seconds in arms.items():
             for s in seconds:
                 state.record_clean(k, s)
