@@ -240,16 +240,49 @@ def test_nightjar_counts_a_step_cut_by_the_calls_end_for_the_arm_it_chose():
 
 
 def test_nightjar_decision_costs_under_20_microseconds():
+    """choose() and observe() together, per step, while Nightjar drafts and learns (B=1: k=2 pays),
+    new evidence every step."""
     policy = hf_specdec.Nightjar(max_len=6)
     sim = Sim(policy)
-    sim.run(4, 200)
-    ctx = StepContext(0, 4, 1, [0, 1, 2, 3], context_tokens=400, max_lag=0)
-    times = []
-    for _ in range(3000):
-        start = time.perf_counter()
-        policy.choose(ctx)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < 20e-6
+    sim.run(1, 200)
+    spent = []
+
+    def timed(method):
+        def run(arg):
+            start = time.perf_counter()
+            out = method(arg)
+            spent.append(time.perf_counter() - start)
+            return out
+        return run
+
+    policy.choose, policy.observe = timed(policy.choose), timed(policy.observe)
+    ks = sim.run(1, 2000)
+    per_step = [c + o for c, o, k in zip(spent[::2], spent[1::2], ks) if k > 0]
+    assert len(per_step) > 1000 and statistics.median(per_step) < 20e-6
+
+
+def test_nightjar_confidence_bounds_are_chernoff_bounds_never_wider_than_hoeffding():
+    from hf_specdec.policies.nightjar import _LOG_INV_DELTA, _confidence_bound, _kl
+
+    def exact(p, n, side):             # the end of {q: n KL(p || q) <= ln(1/delta)}, by bisection
+        inner, outer = p, 1.0 if side > 0 else 0.0
+        for _ in range(60):
+            mid = (inner + outer) / 2
+            inner, outer = (mid, outer) if n * _kl(p, mid) <= _LOG_INV_DELTA else (inner, mid)
+        return outer
+    widths = []
+    for n in (1, 3, 10, 40, 200, 5000):
+        for passed in sorted({0, 1, n // 7, n // 2, n - 1, n}):
+            p = passed / n
+            for side in (1, -1):
+                bound, truth = _confidence_bound(p, n, side), exact(p, n, side)
+                hoeffding = min(1.0, max(0.0, p + side * math.sqrt(_LOG_INV_DELTA / (2 * n))))
+                assert side * (bound - truth) >= -1e-9          # a valid bound: at or beyond the exact one
+                assert side * (hoeffding - bound) >= -1e-9      # never looser than Hoeffding's
+                if abs(truth - p) > 1e-9:
+                    widths.append(abs(bound - p) / abs(truth - p))
+    assert statistics.median(widths) < 1.02
+    assert _confidence_bound(0.0, 40, +1) < 0.11 < 0.2 < math.sqrt(_LOG_INV_DELTA / 80)   # 0 of 40: KL vs Hoeffding
 
 
 def test_latency_model_fit_recovers_coefficients():
