@@ -272,7 +272,7 @@ def test_nightjar_confidence_bounds_are_chernoff_bounds_never_wider_than_hoeffdi
         return outer
     widths = []
     for n in (1, 3, 10, 40, 200, 5000):
-        for passed in sorted({0, 1, n // 7, n // 2, n - 1, n}):
+        for passed in sorted({0, 1, 2, n // 7, n // 5, n // 2, n - n // 5, n - 1, n} & set(range(n + 1))):
             p = passed / n
             for side in (1, -1):
                 bound, truth = _confidence_bound(p, n, side), exact(p, n, side)
@@ -281,7 +281,7 @@ def test_nightjar_confidence_bounds_are_chernoff_bounds_never_wider_than_hoeffdi
                 assert side * (hoeffding - bound) >= -1e-9      # never looser than Hoeffding's
                 if abs(truth - p) > 1e-9:
                     widths.append(abs(bound - p) / abs(truth - p))
-    assert statistics.median(widths) < 1.02
+    assert statistics.median(widths) < 1.02 and max(widths) < 1.3
     assert _confidence_bound(0.0, 40, +1) < 0.11 < 0.2 < math.sqrt(_LOG_INV_DELTA / 80)   # 0 of 40: KL vs Hoeffding
 
 

@@ -175,22 +175,24 @@ def _kl(p: float, q: float) -> float:
 def _confidence_bound(p: float, n: int, side: int) -> float:
     """The upper (side +1) or lower (-1) end of {q: n KL(p || q) <= ln(1/delta)}, delta = e^-4: a
     bound (Chernoff, as in KL-UCB) on a rate measured as p over n trials. Never wider than
-    Hoeffding's p +- sqrt(ln(1/delta) / 2n) and far narrower near 0 or 1 (0 of 40 passed: 0.10,
-    not 0.22): deep depths, rarely passed, are what kept a useless drafter's long arms in the running."""
-    if p > 0.5:                    # the start below is tight for rates under 1/2: mirror
+    Hoeffding's p +- sqrt(ln(1/delta) / 2n), and far narrower towards 1/2 from a p near 0 or 1
+    (0 of 40 passed: at most 0.10, not 0.22): deep depths, rarely passed, are what kept a useless
+    drafter's long arms in the running."""
+    if p > 0.5:                    # the starts below are tight for rates under 1/2: mirror
         return 1.0 - _confidence_bound(1.0 - p, n, -side)
     budget = _LOG_INV_DELTA / n
     hoeffding = math.sqrt(budget / 2)
-    # at or beyond the bound (KL(p || q) >= (q - p)^2 / 2 max(p, q), and Pinsker's >= 2 (q - p)^2)
+    # starts at or beyond the bound: KL(p || q) >= (q - p)^2 / 2 max(p, q), >= 2 (q - p)^2 (Pinsker),
+    # and (q < p) >= p ln(p / q) - p
     if side > 0:
         q = min(p + budget + math.sqrt(2 * p * budget + budget * budget), p + hoeffding)
         if q >= 1:
             return 1.0
     else:
-        q = max(p - math.sqrt(2 * p * budget), p - hoeffding)
-        if q <= 0:
+        if p == 0:
             return 0.0
-    # one Newton step on the convex n KL - ln(1/delta): towards the bound, never past it (mostly within 1%)
+        q = max(p - math.sqrt(2 * p * budget), p - hoeffding, p * math.exp(-1 - budget / p))
+    # one Newton step on the convex n KL - ln(1/delta): towards the bound, never past it
     return q - (_kl(p, q) - budget) * q * (1 - q) / (q - p)
 
 
@@ -242,9 +244,10 @@ class Nightjar(LengthPolicy):
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = _BatchState.fresh(self.max_len + 1)
-        # mid-bin, whenever the pass rates moved (`observe`), is the bin's k now known to lose? Then
-        # the bin ends early
-        if state.round > 1 and state.locked and not self.rates \
+        # mid-bin, at its rounds 2, 4, 8, ... and whenever the pass rates moved: is the bin's k now known
+        # to lose? Then the bin ends early, at worst twice as late as with a check every step (~12 us)
+        checking = not (state.round & (state.round - 1)) or not self.rates
+        if state.round > 1 and state.locked and checking \
                 and state.locked not in self._arms(state, ctx, 0.0, [state.locked]):
             _next_bin(state)
         if state.round == 1:                                      # a bin starts: lock its k
@@ -275,8 +278,8 @@ class Nightjar(LengthPolicy):
 
     def _arms(self, state: _BatchState, ctx: StepContext, switch_cost: float,
               among: list[int] | None = None) -> list[int]:
-        """The k worth trying (of `among`, else all): all, or (prune) those whose best case beats every
-        tried arm's worst.
+        """The k worth trying: all, or (prune) those whose best case beats every tried arm's worst (of
+        `among` and 0, if given).
         0 always stays: staying at 0 is how a switching cost is avoided. Switching on from 0 costs
         C_switch once, spread at best over the tokens the rows may still emit (ctx.remaining): a
         call's first drafts prefill its prompt, which in a short call can cost more than
@@ -290,7 +293,8 @@ class Nightjar(LengthPolicy):
         worst = _yields(self._pass_rates(-1))
         bar = min(state.latency(k, worst) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
         best = _yields(self._pass_rates(+1))
-        return [0] + [k for k in (among or arms[1:]) if k and state.best_case(k, best) + switch <= bar]
+        among = arms[1:] if among is None else among
+        return [0] + [k for k in among if k and state.best_case(k, best) + switch <= bar]
 
     def _stale(self, state: _BatchState, arms: list[int]) -> int | None:
         """(prune) At a block's start: the arm still in the running that the whole previous block
@@ -353,7 +357,7 @@ class Nightjar(LengthPolicy):
                 for j in range(1, proposed + 1):
                     self.judged[j] += 1
                     self.passed[j] += j <= accepted
-            # the rates are recomputed (12 bounds: ~20 us) only once a depth's judged count grew by 1/16:
+            # the rates are recomputed (2 max_len bounds) only once a depth's judged count grew by 1/16:
             # bounds from part of the evidence hold too, and 1/16 more moves them little
             if any(n > seen * 17 / 16 for n, seen in zip(self.judged, self.rates_at)):
                 self.rates, self.rates_at = {}, list(self.judged)
