@@ -208,6 +208,19 @@ def test_nightjar_prunes_arms_that_cannot_beat_plain_even_if_every_draft_is_acce
     assert pruned < 150 and paper > 3 * pruned, (pruned, paper)
 
 
+def test_nightjar_ends_a_bin_early_once_its_arm_is_known_to_lose():
+    """A long bin locked on an arm that the evidence has ruled out (B=16: a draft multiplies the
+    step's time ~6x) ends at its next check rather than after its sqrt(H) steps."""
+    def rest_of_bin(prune):
+        policy = hf_specdec.Nightjar(max_len=2, prune=prune, seed=0)
+        sim = Sim(policy)
+        sim.run(16, 1000)                      # evidence that k = 2 loses, with long bins by now
+        state = policy.states[16]
+        state.locked, state.round, state.length = 2, 2, 32      # a bin just started on k = 2
+        return sim.run(16, 31)
+    assert rest_of_bin(True).count(2) <= 1 and rest_of_bin(False).count(2) == 31
+
+
 def test_nightjar_explores_the_arms_that_could_still_win():
     """Where k = 1..3 are all within ~25% of the best (k = 2), exploring them uniformly costs ~5% of
     a 400-step run (0.050 over 60 seeds); exploring the arm with the least optimistic latency costs
