@@ -235,10 +235,11 @@ def run_env(name, args, save=lambda results: None) -> dict:
             # the changing run every fixed k (the target there: above each of them)
             every_k = batch == "changing"
             confirm = ["plain"] + [m for m in methods if m != "plain" and (m == oracle or m not in fixed or every_k)]
-            c_outs, c_times, _ = timed_rounds(confirm, args.confirm_repeats, f"{name} batch={batch} confirm",
-                                              run_one)
+            c_outs, c_times, c_drafting = timed_rounds(confirm, args.confirm_repeats,
+                                                       f"{name} batch={batch} confirm", run_one)
             results["batches"][key]["confirm"] = {m: {
                 "seconds": [round(t, 4) for t in c_times[m]],
+                "drafting_steps": c_drafting[m],           # per run: is a slow run the policy's or the machine's?
                 "x_oracle": paired_speed(c_times[oracle], c_times[m]),
                 "x_plain": paired_speed(c_times["plain"], c_times[m]),
                 **({"x_fixed": {k: paired_speed(c_times[k], c_times[m]) for k in confirm if k.startswith("fixed:")}}

@@ -43,6 +43,8 @@ def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path
     assert set(confirm) == {"plain", oracle, "nightjar"}
     for row in confirm.values():
         assert len(row["seconds"]) == 2 and row["identical_to_plain"] and "x_fixed" not in row
+        assert len(row["drafting_steps"]) == 2
+    assert confirm["plain"]["drafting_steps"] == [0, 0]
     assert confirm[oracle]["x_oracle"] == {"median": 1.0, "ci90": [1.0, 1.0]}
     assert confirm["plain"]["x_plain"]["median"] == 1.0
     changing = batches["changing"]["confirm"]
