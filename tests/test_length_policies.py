@@ -613,6 +613,29 @@ def test_calibration_follows_a_flat_drafters_acceptance_and_pools_bins():
     assert abs(calibration(0.55) - 0.7) < 0.05   # no data in bin 5: the pooled rate
 
 
+def test_adaspec_corrects_ar_where_acceptance_depends_on_depth():
+    """Prompt lookup's drafts all carry confidence 1.0, and pass as a run: the first 35% of the
+    time, each later one 90% of the time given its predecessors. The calibration pools that into
+    one rate, whose powers are not the AR of three drafts; corrected by the drafts measured to
+    pass per verified step, the policy's expected accepted drafts match the truth."""
+    rng = random.Random(0)
+    policy = hf_specdec.AdaSpec(toy_profile(), max_len=3)
+    truth = 0.35 * (1 + 0.9 + 0.81)          # E[accepted] of three drafts
+    for step in range(1, 300):
+        policy.choose(StepContext(step, 2, 1, [0, 1], context_tokens=128))
+        policy.verify_lengths([[1.0] * 3] * 2)
+        accepted = []
+        for _ in range(2):
+            n = 0
+            while n < 3 and rng.random() < (0.35 if n == 0 else 0.9):
+                n += 1
+            accepted.append(n)
+        policy.observe(StepRecord(2, [0, 0], 3, [3, 3], accepted, [a + 1 for a in accepted], 0.0, 0.01, step=step))
+    pooled = sum(policy._ar([[1.0] * 3], corrected=False)[0])
+    assert pooled > 1.15 * truth                                  # what the calibration alone predicts
+    assert sum(policy._ar([[1.0] * 3])[0]) == pytest.approx(truth, rel=0.1)
+
+
 def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
     """Every probe's first draft is rejected. Probes come every `probe_every` steps while the
     acceptance estimate is too uncertain to rule drafting out, then ever rarer as the optimistic

@@ -195,7 +195,8 @@ class AdaSpec(LengthPolicy):
     """cost_model: a CostProfile or a profile JSON path; max_len: most drafts per step;
     slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the guess for a
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
-    a `Calibration` learned online (False: the paper's acceptance = confidence); probe_every:
+    a `Calibration` learned online, its AR corrected by the drafts measured to pass (False: the
+    paper's acceptance = confidence); probe_every:
     draft anyway after this many non-drafting steps while the acceptance estimate is too uncertain
     to rule drafting out, so it keeps being measured (asked every probe_every idle steps; once it
     is sure, the gap doubles after each probe, up to 32 x probe_every; never at a call's first
@@ -371,13 +372,13 @@ class AdaSpec(LengthPolicy):
         self.model.learn(record, self.ctx.context_tokens, drafted)
         if self.verified is None:
             return
-        # the correction's sums fade by 2% a step (~50 drafting steps), so it follows the text's
-        # drift; each starts at one pseudo-draft, a ratio of 1
-        ar = self._ar(self.verified, corrected=False)
-        expected = sum(sum(row[:n]) for row, n in zip(ar, record.proposed))
-        self.passed = 0.98 * self.passed + sum(record.accepted) + 0.02
-        self.expected = 0.98 * self.expected + expected + 0.02
         if isinstance(self.calibration, Calibration):
+            # `_corrected`'s sums fade by 2% a step (~50 drafting steps), so they follow the text's
+            # drift; each starts at one pseudo-draft, a ratio of 1
+            ar = self._ar(self.verified, corrected=False)
+            expected = sum(sum(row[:n]) for row, n in zip(ar, record.proposed))
+            self.passed = 0.98 * self.passed + sum(record.accepted) + 0.02
+            self.expected = 0.98 * self.expected + expected + 0.02
             for confidences, accepted, proposed in zip(self.verified, record.accepted, record.proposed):
                 self.calibration.update(confidences, accepted, proposed)
         self.guess = self.mean_acceptance()      # fixed within a step (drafting reads it)
