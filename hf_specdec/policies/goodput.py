@@ -6,8 +6,10 @@ with T(N_context, N_batch_tokens) = alpha N_context + gamma N_batch_tokens + del
 (`hf_specdec.costmodel`). Expected tokens: sum_b (1 + sum_{i<=v_b} AR_{b,i}).
 
 AdaSpec (SoCC'25): AR_{b,i} = prod_{l<=i} a(c_{b,l}), with c the draft's confidence in its own
-token and a(c) = c in the paper; we learn a(c) from verification outcomes by default. Drafting continues while the goodput predicted for one more token (its confidence
-guessed as the running mean confidence) rises ("predict-execute-correct"); then the
+token and a(c) = c in the paper; by default we learn a(c) from verification outcomes and scale AR
+by the drafts measured to pass over those predicted. Drafting continues while the goodput
+predicted for one more token (its confidence guessed as the running mean confidence) rises
+("predict-execute-correct"); then the
 lowest-AR tail drafts of any row are dropped while that raises goodput (confidence-prior
 verification: rows verify different numbers of tokens). With `slo_tpot`, a step predicted to take
 longer than the SLO scores -1 and is not chosen. Ours: whether to draft at all also weighs the
