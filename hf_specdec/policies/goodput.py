@@ -344,7 +344,8 @@ class AdaSpec(LengthPolicy):
         return [min(1.0, ratio * a) for a in ar]
 
     def _ar(self, confidences: list[list[float]], corrected: bool = True) -> list[list[float]]:
-        """AR_{b,i}: probability that row b's drafts up to i are all accepted."""
+        """AR_{b,i}: probability that row b's drafts up to i are all accepted (`_corrected`, or the
+        calibration's alone)."""
         ar = [_cumulative([self.calibration(c) for c in row]) for row in confidences]
         return [self._corrected(row) for row in ar] if corrected else ar
 
@@ -364,8 +365,8 @@ class AdaSpec(LengthPolicy):
         ar, drafted = self.drafting[1], len(confidences[0])
         batch, context = self.ctx.batch_size, self.ctx.context_tokens
         _, now = self.model.best_verification(batch, context, drafted, [self._corrected(row) for row in ar])
-        more = [self._corrected(row + [row[-1] * self.guess]) for row in ar]
-        _, more = self.model.best_verification(batch, context, drafted + 1, more)
+        longer = [self._corrected(row + [row[-1] * self.guess]) for row in ar]
+        _, more = self.model.best_verification(batch, context, drafted + 1, longer)
         return [more > now] * len(confidences)
 
     def observe(self, record: StepRecord) -> None:
