@@ -275,11 +275,7 @@ def test_nightjar_decision_costs_under_20_microseconds():
 
 
 def test_nightjar_confidence_bounds_are_chernoff_bounds_never_wider_than_hoeffding():
-    from hf_specdec.policies.bounds import kl_bernoulli as _kl, rate_bound
-    from hf_specdec.policies.nightjar import _LOG_INV_DELTA
-
-    def _confidence_bound(p, n, side):
-        return rate_bound(p, n, side, _LOG_INV_DELTA)
+    from hf_specdec.policies.nightjar import _LOG_INV_DELTA, _confidence_bound, _kl
 
     def exact(p, n, side):             # the end of {q: n KL(p || q) <= ln(1/delta)}, by bisection
         inner, outer = p, 1.0 if side > 0 else 0.0

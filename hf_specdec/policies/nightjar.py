@@ -38,7 +38,7 @@ optimistic latency per token exceeds the least pessimistic one of any tried arm 
 lower confidence bounds of the p_j; plain decoding's tokens are certain) is left out until the
 bounds move. Arm k's optimistic latency per token is a lower confidence bound of its step seconds
 per row (no catch-up) divided by 1 + sum_{j<=k} u_j, u_j an upper confidence bound of p_j
-(Chernoff-KL, delta = e^-4: `bounds.rate_bound`). An untried arm k' is bounded through any shorter
+(Chernoff-KL, delta = e^-4: `_confidence_bound`). An untried arm k' is bounded through any shorter
 tried arm j (plain decoding included) plus k' - j more draft forwards: max_j (s_j + (k' - j) d) /
 (1 + sum_{i<=k'} u_i), d = fastest drafting seconds per row and draft. Untried arms are tried plain
 first, then the longest (its drafts are judged at every depth), so most arms in between are pruned
@@ -62,7 +62,6 @@ from ..costmodel import CostProfile, SwitchCostTable
 from ..stats import StepRecord
 from . import straggler
 from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket
-from .bounds import rate_bound
 
 _LOG_INV_DELTA = 4.0   # pruning confidence: ln(1 / delta)
 _REMEASURE_STEPS = 2   # a stale arm's fresh measurement (each block may take one)
@@ -165,6 +164,36 @@ def _yields(pass_rates: list[float]) -> list[float]:
     for p in pass_rates:
         out.append(out[-1] + p)
     return out
+
+
+def _kl(p: float, q: float) -> float:
+    """KL divergence of Bernoulli(q) from Bernoulli(p), 0 <= p <= 1, 0 < q < 1."""
+    return (p * math.log(p / q) if p > 0 else 0.0) + (
+        (1 - p) * math.log((1 - p) / (1 - q)) if p < 1 else 0.0)
+
+
+def _confidence_bound(p: float, n: int, side: int) -> float:
+    """The upper (side +1) or lower (-1) end of {q: n KL(p || q) <= ln(1/delta)}, delta = e^-4: a
+    bound (Chernoff, as in KL-UCB) on a rate measured as p over n trials. Never wider than
+    Hoeffding's p +- sqrt(ln(1/delta) / 2n), and far narrower towards 1/2 from a p near 0 or 1
+    (0 of 40 passed: at most 0.10, not 0.22): deep depths, rarely passed, are what kept a useless
+    drafter's long arms in the running."""
+    if p > 0.5:                    # the starts below are tight for rates under 1/2: mirror
+        return 1.0 - _confidence_bound(1.0 - p, n, -side)
+    budget = _LOG_INV_DELTA / n
+    hoeffding = math.sqrt(budget / 2)
+    # starts at or beyond the bound: KL(p || q) >= (q - p)^2 / 2 max(p, q), >= 2 (q - p)^2 (Pinsker),
+    # and (q < p) >= p ln(p / q) - p
+    if side > 0:
+        q = min(p + budget + math.sqrt(2 * p * budget + budget * budget), p + hoeffding)
+        if q >= 1:
+            return 1.0
+    else:
+        if p == 0:
+            return 0.0
+        q = max(p - math.sqrt(2 * p * budget), p - hoeffding, p * math.exp(-1 - budget / p))
+    # one Newton step on the convex n KL - ln(1/delta): towards the bound, never past it
+    return q - (_kl(p, q) - budget) * q * (1 - q) / (q - p)
 
 
 class Nightjar(LengthPolicy):
@@ -284,7 +313,7 @@ class Nightjar(LengthPolicy):
             for j in range(1, self.max_len + 1):
                 if self.judged[j]:
                     rate = self.passed[j] / self.judged[j]
-                    p = min(p, rate_bound(rate, self.judged[j], side, _LOG_INV_DELTA) if side else rate)
+                    p = min(p, _confidence_bound(rate, self.judged[j], side) if side else rate)
                 elif side <= 0:
                     p = 0.0
                 out.append(p)
