@@ -364,8 +364,9 @@ class AdaSpec(LengthPolicy):
             row_ar += _cumulative(new, row_ar[-1] if row_ar else 1.0)
         ar, drafted = self.drafting[1], len(confidences[0])
         batch, context = self.ctx.batch_size, self.ctx.context_tokens
-        _, now = self.model.best_verification(batch, context, drafted, [self._corrected(row) for row in ar])
-        longer = [self._corrected(row + [row[-1] * self.guess]) for row in ar]
+        corrected = [self._corrected(row) for row in ar]       # the ratio is fixed within a step
+        _, now = self.model.best_verification(batch, context, drafted, corrected)
+        longer = [row + self._corrected([raw[-1] * self.guess]) for row, raw in zip(corrected, ar)]
         _, more = self.model.best_verification(batch, context, drafted + 1, longer)
         return [more > now] * len(confidences)
 
