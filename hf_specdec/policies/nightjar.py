@@ -26,10 +26,12 @@ played; an arm's own count then takes hundreds of steps to tell near-tie arms ap
 one a few. Statistics leave out the steps that prefill a call's prompt (its first
 step, and its first drafting step for the draft): their time is the prompt's, not the arm's.
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
-In generate() (StepContext.static_batch) exploitation multiplies latency(k > 0) by the wait for the
-batch's slowest row at the call's end (`straggler.stretch`, from the pooled acceptance by depth,
-over the rows that `straggler.FinishingRows` expects to still run at the end):
+In generate() (StepContext.static_batch) exploitation, exploration and pruning multiply latency(k > 0)
+by the wait for the batch's slowest row at the call's end (`straggler.stretch`, from the pooled
+acceptance by depth, over the rows that `straggler.FinishingRows` expects to still run at the end):
 the steps at the call's end with fewer rows land in other buckets, so no arm's own latency holds them.
+(Pruning without it kept near-tie arms in the running at prompt lookup, B=16, and a late block's
+first bin, which explores, then drafted through a whole 32-token call at ~0.75x plain's speed.)
 `prune=True`: exploration and exploitation skip arms that, with high confidence, lose to another
 arm (successive elimination), a bin whose k becomes such an arm ends early, and an exploring bin
 takes the arm with the least optimistic latency (optimism, as in UCB) rather than a uniform one:
@@ -248,21 +250,22 @@ class Nightjar(LengthPolicy):
         # to lose? Then the bin ends early, at worst twice as late as with a check every step (~12 us)
         checking = not (state.round & (state.round - 1)) or not self.rates
         if state.round > 1 and state.locked and checking \
-                and state.locked not in self._arms(state, ctx, 0.0, [state.locked]):
+                and state.locked not in self._arms(state, ctx, 0.0, self._tails(ctx), [state.locked]):
             _next_bin(state)
         if state.round == 1:                                      # a bin starts: lock its k
             # switching on from 0 costs the draft's catch-up of what it missed (at a call's start:
             # its prompt); mid-bin the previous k is the locked one, so only here can it apply
             cost = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.previous_k == 0 else 0.0
-            arms = self._arms(state, ctx, cost)
+            tails = self._tails(ctx)
+            arms = self._arms(state, ctx, cost, tails)
             stale = self._stale(state, arms)
             if stale is not None:
                 state.forget(stale)
                 state.locked, state.length = stale, min(state.length, _REMEASURE_STEPS)
             elif self.rng.random() < 1.0 / state.bin:
-                state.locked = self._explore(state, arms)
+                state.locked = self._explore(state, arms, tails)
             else:
-                state.locked = self._exploit(state, arms, cost / ctx.batch_size, ctx)
+                state.locked = self._exploit(state, arms, cost / ctx.batch_size, ctx, tails)
         k = state.locked
         state.played[k] = state.block
         state.round += 1
@@ -276,7 +279,7 @@ class Nightjar(LengthPolicy):
         self.cut = max(0, min(k, ctx.remaining - 1)) if ctx.remaining else k
         return k
 
-    def _arms(self, state: _BatchState, ctx: StepContext, switch_cost: float,
+    def _arms(self, state: _BatchState, ctx: StepContext, switch_cost: float, tails: list[float],
               among: list[int] | None = None) -> list[int]:
         """The k worth trying: all, or (prune) those whose best case beats every tried arm's worst (of
         `among` and 0, if given).
@@ -291,10 +294,22 @@ class Nightjar(LengthPolicy):
             return arms
         switch = switch_cost / (ctx.batch_size * ctx.remaining) if ctx.remaining > 0 else 0.0
         worst = _yields(self._pass_rates(-1))
-        bar = min(state.latency(k, worst) + (switch if k else 0.0) for k in tried)   # every k > 0 pays the switch
+        # every k > 0 pays the switch, and in a static batch the wait for its slowest row (tails)
+        bar = min(state.latency(k, worst) * tails[k] + (switch if k else 0.0) for k in tried)
         best = _yields(self._pass_rates(+1))
         among = arms[1:] if among is None else among
-        return [0] + [k for k in among if k and state.best_case(k, best) + switch <= bar]
+        return [0] + [k for k in among if k and state.best_case(k, best) * tails[k] + switch <= bar]
+
+    def _tails(self, ctx: StepContext) -> list[float]:
+        """By k: how many times the steps its latency promises arm k takes to finish a static batch's
+        slowest row (`straggler.stretch`, from the measured acceptance by depth); 1 outside generate().
+        The same point estimate on both sides of the pruning bounds: its own uncertainty is small next
+        to the acceptance's and the step times'."""
+        if not ctx.static_batch:
+            return [1.0] * (self.max_len + 1)
+        passed, finishing = self._pass_rates(0), self.finishing(ctx.batch_size)
+        return [straggler.stretch(finishing, ctx.remaining, passed[:k], ctx.rooms) if k else 1.0
+                for k in range(self.max_len + 1)]
 
     def _stale(self, state: _BatchState, arms: list[int]) -> int | None:
         """(prune) At a block's start: the arm still in the running that the whole previous block
@@ -320,16 +335,17 @@ class Nightjar(LengthPolicy):
             self.rates[side] = out
         return self.rates[side]
 
-    def _explore(self, state: _BatchState, arms: list[int]) -> int:
+    def _explore(self, state: _BatchState, arms: list[int], tails: list[float]) -> int:
         """Uniform (the paper), or (prune) optimistic: the arm with the least optimistic latency per
         token, so exploration goes to arms that could still be the best rather than equally to all
         arms not yet ruled out (a near-tie arm no longer costs a bin every time its turn comes)."""
         if not self.prune:
             return self.rng.choice(arms)
         best = _yields(self._pass_rates(+1))
-        return min(arms, key=lambda k: (state.best_case(k, best), self.rng.random()))
+        return min(arms, key=lambda k: (state.best_case(k, best) * tails[k], self.rng.random()))
 
-    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, ctx: StepContext) -> int:
+    def _exploit(self, state: _BatchState, arms: list[int], cost_per_row: float, ctx: StepContext,
+                 tails: list[float]) -> int:
         """argmin_k latency(k) + the switching cost per row over the tokens it buys (k > 0): the
         rest of the call (ctx.remaining tokens) where known, else (the paper) the step's k. Ours: in
         a static batch, latency(k > 0) x the wait for the slowest row at the call's end
@@ -339,14 +355,10 @@ class Nightjar(LengthPolicy):
             # plain first, then the longest arm: its drafts are judged at every depth and bound every
             # shorter arm (`best_case`), so the arms in between are mostly pruned untried
             return min(untried, key=lambda k: (k > 0, k < self.max_len, k))
-        passed, finishing = self._pass_rates(0), 1
-        if ctx.static_batch:
-            finishing = self.finishing(ctx.batch_size)
-        yields = _yields(passed)
+        yields = _yields(self._pass_rates(0))
         best, best_value = 0, math.inf
         for k in arms:
-            tail = straggler.stretch(finishing, ctx.remaining, passed[:k], ctx.rooms) if k else 1.0
-            value = state.latency(k, yields) * tail + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
+            value = state.latency(k, yields) * tails[k] + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
             if value < best_value:
                 best, best_value = k, value
         return best
