@@ -575,9 +575,29 @@ def test_goodput_model_replaces_a_stale_drafting_cost():
     for step in range(30, 230):
         learn(step, 0, 0.0)
     learn(230, 2, 0.002)                              # the machine is fast again
-    assert model.extra[1][0] == pytest.approx(0.016)
+    assert model.excess(1) == pytest.approx(0.016)
     learn(231, 2, 0.030)                              # one noisy step right after: a tenth of it
-    assert model.extra[1][0] == pytest.approx(0.0174)
+    assert model.excess(1) == pytest.approx(0.0174)
+
+
+def test_goodput_model_is_not_thrown_off_by_a_probes_catch_up():
+    """Drafting steps cost 2 ms more to draft and 4 ms more to verify than modelled (B=16). A probe
+    after 40 plain steps catches the draft up 40 tokens per row, 10 ms faster than modelled (a
+    catch-up varies far more than the excess): its verification still teaches, its drafting side
+    does not, so the excess stays 6 ms (folded whole at the probe's weight of a half: 1 ms)."""
+    model = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False).model
+    def learn(step, k, lag=1, catch_up_error=0.0):
+        fed = 16 * (k + 1)
+        verification = model._modelled(16, 64, 0, fed) + (0.004 if k else 0.0)
+        drafting = model._modelled(16, 64, k, fed, lag) - model._modelled(16, 64, 0, fed) + 0.002 + catch_up_error
+        model.learn(StepRecord(16, [0] * 16, k, [k] * 16, [k] * 16, [k + 1] * 16, drafting if k else 0.0,
+                               verification, step=step, lag=lag), 64)
+    for step in range(1, 30):
+        learn(step, 3)
+    for step in range(30, 70):
+        learn(step, 0)
+    learn(70, 3, lag=40, catch_up_error=-0.010)
+    assert model.excess(16) == pytest.approx(0.006)
 
 
 def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
@@ -768,9 +788,10 @@ def test_goodput_policies_correct_the_latency_model_with_measured_steps():
         k = policy.choose(ctx)
         assert k > 0
         modelled = policy.model.step_time(1, 64, k, k + 1)
+        verification = policy.model.step_time(1, 64, 0, k + 1)
         outliers = [StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=0),          # prefill
-                    StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, policy.model.step_time(1, 64, k, k + 1, lag=40),
-                               step=5, lag=40)]                                                   # catch-up
+                    StepRecord(1, [0], k, [k], [k], [k + 1], policy.model.step_time(1, 64, k, k + 1, lag=40)
+                               - verification, verification, step=5, lag=40)]                     # catch-up
         for record in outliers:
             policy.observe(record)
         assert policy.choose(ctx) == k

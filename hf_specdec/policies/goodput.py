@@ -40,12 +40,14 @@ def _as_profile(cost_model) -> CostProfile:
 
 class _GoodputModel:
     """The latency model's goodput, corrected online per batch bucket: plain steps' time is scaled
-    by their measured / modelled ratio, and a drafting step costs that plus a fixed `extra`, its
-    measured excess. Fixed, not a second ratio: on a CPU the step that first verifies two tokens
-    per row leaves the matrix-vector kernel for a slower matrix-matrix one (tiny pair, B=1: plain
-    12 ms, one draft 23 ms, each further draft +3 ms as modelled). A ratio would scale every
-    drafting length alike and keep the model's best length; the fixed cost is what longer drafts
-    amortise."""
+    by their measured / modelled ratio, and a drafting step costs that plus a fixed excess, measured
+    apart for its verification (`extra`) and its drafting (`draft_extra`). Fixed, not a second
+    ratio: on a CPU the step that first verifies two tokens per row leaves the matrix-vector kernel
+    for a slower matrix-matrix one (tiny pair, B=1: plain 12 ms, one draft 23 ms, each further draft
+    +3 ms as modelled). A ratio would scale every drafting length alike and keep the model's best
+    length; the fixed cost is what longer drafts amortise. Apart, because a draft's catch-up (a
+    probe after plain steps, a call's first drafts) varies far more than the excess (tiny pair,
+    B=16: 10 ms either side of a 6 ms excess): such a step teaches only its verification side."""
 
     def __init__(self, profile: CostProfile, slo_tpot: float | None):
         if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float))
@@ -53,7 +55,8 @@ class _GoodputModel:
             raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
         self.profile, self.slo_tpot = profile, slo_tpot
         self.ratio: dict[int, tuple[float, int, int]] = {}   # bucket -> (plain steps' measured / modelled, steps, clock)
-        self.extra: dict[int, tuple[float, int, int]] = {}   # bucket -> (drafting steps' excess seconds, steps, clock)
+        self.extra: dict[int, tuple[float, int, int]] = {}   # bucket -> (drafting steps' verification excess, steps, clock)
+        self.draft_extra: dict[int, tuple[float, int, int]] = {}   # bucket -> (their drafting excess, steps, clock)
         self.clock = 0                                       # steps learned from
 
     def _modelled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
@@ -75,8 +78,13 @@ class _GoodputModel:
         forwards and feeds the target `fed` tokens (each row's pending one + its verified drafts)."""
         seconds = self._scaled(batch, context, drafted, fed, lag)
         if drafted:   # an excess below 0 (the model's slope too steep) would make short drafts look free
-            seconds += max(self.extra.get(pow2_bucket(batch), (0.0,))[0], 0.0)
+            seconds += max(self.excess(batch), 0.0)
         return seconds
+
+    def excess(self, batch: int) -> float:
+        """Seconds a drafting step of `batch` rows was measured to take beyond the scaled model."""
+        bucket = pow2_bucket(batch)
+        return self.extra.get(bucket, (0.0,))[0] + self.draft_extra.get(bucket, (0.0,))[0]
 
     def catch_up(self, batch: int, context: int, lag: int) -> float:
         """Seconds a first draft forward spends feeding the `lag` - 1 tokens per row the draft missed
@@ -86,25 +94,30 @@ class _GoodputModel:
         return self._scaled(batch, context, 1, batch, lag) - self._scaled(batch, context, 1, batch)
 
     def learn(self, record: StepRecord, context: int, drafted: int | None = None) -> None:
-        """Fold a measured step into the correction, its draft catch-up modelled too (probes after
-        plain steps then count); a step that prefilled the prompt is left out. drafted: the draft
-        forwards run, if more than the longest verified row (drafts dropped before verification)."""
+        """Fold a measured step into the corrections; a step that prefilled the prompt is left out.
+        drafted: the draft forwards run, if more than the longest verified row (drafts dropped
+        before verification). A drafting step teaches its drafting side only without a catch-up
+        (lag <= 2: the draft's last token and the target's; see the class)."""
         self.clock += 1
         if record.step == 0 or not record.batch_size:
             return
         if drafted is None:
             drafted = max(record.proposed) if record.k else 0
-        bucket = pow2_bucket(record.batch_size)
-        fed = record.batch_size + sum(record.proposed)
-        if drafted:
-            table = self.extra
-            value = record.seconds - self._scaled(record.batch_size, context, drafted, fed, record.lag)
-        else:
-            modelled = self._modelled(record.batch_size, context, 0, fed)
-            if modelled <= 0:
-                return
-            table, value = self.ratio, record.seconds / modelled
-        mean, n, last = table.get(bucket, (0.0 if drafted else 1.0, 0, 0))
+        batch, bucket = record.batch_size, pow2_bucket(record.batch_size)
+        fed = batch + sum(record.proposed)
+        if not drafted:
+            modelled = self._modelled(batch, context, 0, fed)
+            if modelled > 0:
+                self._fold(self.ratio, bucket, record.seconds / modelled)
+            return
+        verification = self._scaled(batch, context, 0, fed)
+        self._fold(self.extra, bucket, record.seconds - record.draft_s - verification)
+        if record.lag <= 2:
+            drafting = self._scaled(batch, context, drafted, fed, record.lag) - verification
+            self._fold(self.draft_extra, bucket, record.draft_s - drafting)
+
+    def _fold(self, table: dict, bucket: int, value: float) -> None:
+        mean, n, last = table.get(bucket, (0.0, 0, 0))
         # a mean at first, then a running one over about the last 10 steps *of time*, not of samples:
         # a sample after a long gap (a probe after many plain steps, plain steps after much drafting)
         # weighs up to half, against an estimate the machine's drift may have made stale. Over
