@@ -484,7 +484,9 @@ def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row(models):
                                       [a + 1 for a in accepted], drafting, seconds - drafting))
             ks.append(k)
         return statistics.fmean(k > 0 for k in ks[300:])
-    assert statistics.fmean(nightjar_drafting_share(96, True, seed) for seed in range(3)) < 0.5
+    # pruning and exploration count the wait too: once k > 0 is known to lose, it is not explored
+    # (counted by exploitation only, these shares were 0.13-0.37)
+    assert max(nightjar_drafting_share(96, True, seed) for seed in range(3)) < 0.05
     assert min(nightjar_drafting_share(96, False, seed) for seed in range(3)) > 0.9
     assert min(nightjar_drafting_share(100_000, True, seed) for seed in range(3)) > 0.9
 
