@@ -219,6 +219,8 @@ class Nightjar(LengthPolicy):
         self.rates: dict[int, list[float]] = {}   # _pass_rates by side (a cache), as of judged = rates_at
         self.rates_at = list(self.judged)
         self.finishing = straggler.FinishingRows()   # rows that can be a call's last
+        self.spread = straggler.RowSpread()          # how much rows' acceptance differs for good
+        self.moments: list[tuple[float, float]] = []  # by k: a row's accepted drafts, mean and variance
         self.previous_k = None
         self.drafted = False        # has this call drafted yet?
         self.switched = False
@@ -230,6 +232,7 @@ class Nightjar(LengthPolicy):
         # prompt's length). That is a switch from k = 0, and the call's first decision is a fresh
         # bin that weighs it, not the leftover of the previous call's bin.
         self.drafted, self.previous_k = False, 0
+        self.spread.new_call()
         for state in self.states.values():
             if state.round > 1:
                 _next_bin(state)
@@ -307,8 +310,8 @@ class Nightjar(LengthPolicy):
         to the acceptance's and the step times'."""
         if not ctx.static_batch:
             return [1.0] * (self.max_len + 1)
-        passed, finishing = self._pass_rates(0), self.finishing(ctx.batch_size)
-        return [straggler.stretch(finishing, ctx.remaining, passed[:k], ctx.rooms) if k else 1.0
+        passed, finishing, spread = self._pass_rates(0), self.finishing(ctx.batch_size), self.spread.spread
+        return [straggler.stretch(finishing, ctx.remaining, passed[:k], ctx.rooms, spread) if k else 1.0
                 for k in range(self.max_len + 1)]
 
     def _stale(self, state: _BatchState, arms: list[int]) -> int | None:
@@ -372,7 +375,13 @@ class Nightjar(LengthPolicy):
             # the rates are recomputed (2 max_len bounds) only once a depth's judged count grew by 1/16:
             # bounds from part of the evidence hold too, and 1/16 more moves them little
             if any(n > seen * 17 / 16 for n, seen in zip(self.judged, self.rates_at)):
-                self.rates, self.rates_at = {}, list(self.judged)
+                self.rates, self.rates_at, self.moments = {}, list(self.judged), []
+            if record.k:     # every row was asked for k drafts: how far from the pooled rates did each get?
+                if not self.moments:
+                    passed = self._pass_rates(0)
+                    self.moments = [(m - 1.0, v) for m, v in
+                                    (straggler.emission_moments(passed[:k]) for k in range(self.max_len + 1))]
+                self.spread.update(record.rows, record.accepted, *self.moments[record.k])
         state = self.states.get(self._key(record.batch_size))
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:

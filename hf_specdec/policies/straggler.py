@@ -9,7 +9,12 @@ left, a row needs about r/mu steps, with variance r var / mu^3 (renewal central 
 last of B rows about
     r/mu + z_B sqrt(r var / mu^3),    z_B = E[max of B standard normals],
 so drafting takes `stretch` = 1 + z_B sqrt(var / (r mu)) times the steps its goodput promises
-(its tail steps costed as full ones: on an accelerator they nearly are). Serving replaces rows as
+(its tail steps costed as full ones: on an accelerator they nearly are). Rows also differ for good:
+prompt lookup at SmolLM2, B=4, fixed:3, one call: one row passed 2 of 14 first drafts, another 8 of
+9 (1.14 vs 3.56 tokens per step), and the call waited for the first. With row b's accepted drafts
+per step (mu - 1) f_b, f_b spread by s (`RowSpread`) around 1, the slowest row's tokens per step
+are about mu_s = 1 + (mu - 1) max(0, 1 - z_B s), and the stretch mu / mu_s (1 + z_B sqrt(var / (r mu_s)))
+(z_B for both: conservative, the slowest row need not also be the unluckiest). Serving replaces rows as
 they finish, so nothing waits there (StepContext.static_batch is False). Only rows still running
 near the call's end can be last: rows that stop early (EOS, a stopping criterion, outputs of very
 different lengths) wait for no one, so B is the share of rows that `FinishingRows` saw reach the
@@ -47,19 +52,21 @@ def emission_moments(ar: list[float]) -> tuple[float, float]:
     return 1.0 + mean, max(0.0, square - mean * mean)
 
 
-def stretch(batch: int, remaining: int, ar: list[float], rooms: list[int] = ()) -> float:
+def stretch(batch: int, remaining: int, ar: list[float], rooms: list[int] = (), spread: float = 0.0) -> float:
     """How many times the steps a drafting step's rate promises a static batch of `batch` rows
     with `remaining` tokens to go takes to finish its slowest row (1.0: one row, nothing to
     draft, or the rest of the call unknown). rooms: the tokens each row may still emit, sorted
     ascending (`StepContext.rooms`), if known: only rows within reach of the longest can be last
     (`contenders`). At most the mean tokens per step: no row takes more steps than it has tokens
-    to go."""
+    to go. spread: the relative spread of the rows' acceptance beyond chance (`RowSpread`)."""
     if batch <= 1 or remaining <= 0 or not ar:
         return 1.0
     mean, var = emission_moments(ar)
     if rooms:
         batch = min(batch, contenders(rooms, remaining, mean, var))
-    return min(mean, 1.0 + expected_max_normal(batch) * math.sqrt(var / (remaining * mean)))
+    z = expected_max_normal(batch)
+    slowest = 1.0 + (mean - 1.0) * max(0.0, 1.0 - z * spread)      # tokens per step of the slowest row
+    return min(mean, mean / slowest * (1.0 + z * math.sqrt(var / (remaining * slowest))))
 
 
 def contenders(rooms: list[int], remaining: int, mean: float, var: float) -> int:
@@ -97,3 +104,38 @@ class FinishingRows:
     def __call__(self, batch: int) -> int:
         """Of `batch` active rows, how many may be the last to finish."""
         return min(batch, max(1, round(self.share * self.start))) if self.start else batch
+
+
+class RowSpread:
+    """How much the rows' acceptance differs beyond chance: the standard deviation s of f_b = row
+    b's accepted drafts / those the pooled pass rates predict, less the spread that sampling alone
+    gives (a method of moments, per call, averaged over calls, so rows that are alike read ~0, not
+    the noise of a few steps). Feed it every drafting step (`update`) with the accepted drafts
+    predicted for each of its rows (mean and variance: `emission_moments`); read `spread`."""
+
+    def __init__(self):
+        self.rows: dict[int, list[float]] = {}   # this call, by batch index: [accepted, mean, variance]
+        self.excess = 0.0                        # between-row variance, averaged over calls
+        self.calls = 0
+
+    def new_call(self) -> None:
+        """Close the last call's estimate and start afresh (a new generate() call: new rows)."""
+        seen = [(a / m, v / (m * m)) for a, m, v in self.rows.values() if m >= 1.0]
+        mean = sum(f for f, _ in seen) / len(seen) if len(seen) >= 2 else 0.0
+        if mean > 0:                             # relative to the rows' mean: the pass rates are pooled
+            between = sum((f - mean) ** 2 for f, _ in seen) / (len(seen) - 1) - sum(v for _, v in seen) / len(seen)
+            between /= mean * mean
+            self.calls += 1
+            self.excess += (between - self.excess) / min(self.calls, 10)   # the last ~10 calls
+        self.rows = {}
+
+    def update(self, rows: list[int], accepted: list[int], mean: float, variance: float) -> None:
+        for b, a in zip(rows, accepted):
+            row = self.rows.setdefault(b, [0.0, 0.0, 0.0])
+            row[0] += a
+            row[1] += mean
+            row[2] += variance
+
+    @property
+    def spread(self) -> float:
+        return math.sqrt(max(self.excess, 0.0))
