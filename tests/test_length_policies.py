@@ -17,7 +17,7 @@ import hf_specdec
 from helpers import Scripted, assert_same, spec
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
-from hf_specdec.policies.straggler import FinishingRows, emission_moments, stretch
+from hf_specdec.policies.straggler import FinishingRows, RowSpread, emission_moments, stretch
 from hf_specdec.stats import StepRecord
 from hf_specdec.testing import build, noisy_copy, prompts
 
@@ -437,6 +437,44 @@ def test_straggler_stretch_counts_only_rows_that_can_still_be_last():
     assert simulated == pytest.approx(predicted, rel=0.05)
     assert stretch(16, 40, ar, sorted(rooms)) < stretch(16, 40, ar) - 0.05    # sixteen rows' wait would overprice it
     assert stretch(16, 2, [0.99] * 6) <= emission_moments([0.99] * 6)[0]
+
+
+def test_row_spread_tells_rows_that_differ_for_good_from_chance_and_prices_the_slowest():
+    """8 rows drafting k = 3 for 30 steps a call: rows alike (acceptance 0.7 each) read a spread of
+    ~0; half the rows at 0.35 and half at 0.9 (prompt lookup: some rows' text repeats, some not)
+    read one. The stretch with it never says the slowest of those rows finishes too soon (here it
+    errs the other way: the normal model of the rows' rates puts the slowest below the 0.35 rows,
+    at 64 steps, plain decoding's, where 46 are simulated), where the stretch for rows alike
+    says far too soon."""
+    k, rows = 3, 8
+    def spread_of(acceptances, calls=10, seed=0):
+        rng, spread = random.Random(seed), RowSpread()
+        for _ in range(calls):
+            spread.new_call()
+            pooled = statistics.fmean(acceptances)
+            mean, var = emission_moments([pooled ** i for i in range(1, k + 1)])
+            for _ in range(30):
+                spread.update(list(range(rows)), [accepted_drafts(rng, k, a) for a in acceptances], mean - 1, var)
+        spread.new_call()
+        return spread.spread
+    assert spread_of([0.7] * rows) < 0.1
+    split = [0.35] * (rows // 2) + [0.9] * (rows // 2)
+    measured = spread_of(split)
+    assert measured > 0.3
+    rng, remaining = random.Random(1), 64
+    def last_row_steps():
+        steps = []
+        for a in split:
+            tokens = step = 0
+            while tokens < remaining:
+                tokens, step = tokens + 1 + accepted_drafts(rng, k, a), step + 1
+            steps.append(step)
+        return max(steps)
+    simulated = statistics.fmean(last_row_steps() for _ in range(300))
+    ar = [statistics.fmean(a ** i for a in split) for i in range(1, k + 1)]   # the pooled pass rates
+    mean, _ = emission_moments(ar)
+    assert simulated <= remaining / mean * stretch(rows, remaining, ar, spread=measured) <= remaining
+    assert remaining / mean * stretch(rows, remaining, ar) < 0.85 * simulated
 
 
 def test_finishing_rows_learns_how_many_rows_are_still_running_at_a_calls_end():
