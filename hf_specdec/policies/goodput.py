@@ -55,8 +55,9 @@ class _GoodputModel:
             raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
         self.profile, self.slo_tpot = profile, slo_tpot
         self.ratio: dict[int, tuple[float, int, int]] = {}   # bucket -> (plain steps' measured / modelled, steps, clock)
-        self.extra: dict[int, tuple[float, int, int]] = {}   # bucket -> (drafting steps' verification excess, steps, clock)
-        self.draft_extra: dict[int, tuple[float, int, int]] = {}   # bucket -> (their drafting excess, steps, clock)
+        # bucket -> (drafting steps' excess seconds, steps, clock): of verifying, and of drafting
+        self.extra: dict[int, tuple[float, int, int]] = {}
+        self.draft_extra: dict[int, tuple[float, int, int]] = {}
         self.clock = 0                                       # steps learned from
 
     def _modelled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:

@@ -28,7 +28,8 @@ step, and its first drafting step for the draft): their time is the prompt's, no
 A step slower than 3x its arm's fastest counts at that cap (a stall of the machine, not the arm).
 In generate() (StepContext.static_batch) exploitation, exploration and pruning multiply latency(k > 0)
 by the wait for the batch's slowest row at the call's end (`straggler.stretch`, from the pooled
-acceptance by depth, over the rows that `straggler.FinishingRows` expects to still run at the end):
+acceptance by depth, over the rows that `straggler.FinishingRows` expects to still run at the end,
+and how much the rows' acceptance differs for good, `straggler.RowSpread`):
 the steps at the call's end with fewer rows land in other buckets, so no arm's own latency holds them.
 (Pruning without it kept near-tie arms in the running at prompt lookup, B=16, and a late block's
 first bin, which explores, then drafted through a whole 32-token call at ~0.75x plain's speed.)
@@ -361,7 +362,8 @@ class Nightjar(LengthPolicy):
         yields = _yields(self._pass_rates(0))
         best, best_value = 0, math.inf
         for k in arms:
-            value = state.latency(k, yields) * tails[k] + (cost_per_row / (ctx.remaining or k) if k > 0 else 0.0)
+            switch = cost_per_row / (ctx.remaining or k) if k > 0 else 0.0
+            value = state.latency(k, yields) * tails[k] + switch
             if value < best_value:
                 best, best_value = k, value
         return best

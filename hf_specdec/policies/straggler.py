@@ -111,8 +111,9 @@ class RowSpread:
     b's accepted drafts / those the pooled pass rates predict, less the spread that sampling alone
     gives (a method of moments, per call), averaged over the last ~10 calls and taken at a lower
     confidence bound (the mean less two standard errors): rows that are alike read 0, not the noise
-    of a few calls (tiny pair, B=8: up to 0.065 without the bound, enough to stop drafting that pays 7%). Feed it every drafting step (`update`) with the accepted drafts
-    predicted for each of its rows (mean and variance: `emission_moments`); read `spread`."""
+    of a few calls (simulated rows alike: up to 0.065 without the bound). Feed it every drafting
+    step (`update`) with the accepted drafts predicted for each of its rows (mean and variance:
+    `emission_moments`); read `spread`."""
 
     def __init__(self):
         self.rows: dict[int, list[float]] = {}   # this call, by batch index: [accepted, mean, variance]
@@ -125,8 +126,9 @@ class RowSpread:
         seen = [(a / m, v / (m * m)) for a, m, v in self.rows.values() if m >= 1.0]
         mean = sum(f for f, _ in seen) / len(seen) if len(seen) >= 2 else 0.0
         if mean > 0:                             # relative to the rows' mean: the pass rates are pooled
-            between = sum((f - mean) ** 2 for f, _ in seen) / (len(seen) - 1) - sum(v for _, v in seen) / len(seen)
-            between /= mean * mean
+            spread = sum((f - mean) ** 2 for f, _ in seen) / (len(seen) - 1)
+            chance = sum(v for _, v in seen) / len(seen)
+            between = (spread - chance) / (mean * mean)
             self.calls += 1
             weight = 1.0 / min(self.calls, 10)                              # the last ~10 calls
             self.excess += weight * (between - self.excess)
