@@ -454,7 +454,8 @@ def test_row_spread_tells_rows_that_differ_for_good_from_chance_and_prices_the_s
             pooled = statistics.fmean(acceptances)
             mean, var = emission_moments([pooled ** i for i in range(1, k + 1)])
             for _ in range(30):
-                spread.update(list(range(rows)), [accepted_drafts(rng, k, a) for a in acceptances], mean - 1, var)
+                accepted = [accepted_drafts(rng, k, a) for a in acceptances]
+                spread.update(list(range(rows)), accepted, mean - 1, var)
         spread.new_call()
         return spread.spread
     assert spread_of([0.7] * rows) < 0.1
@@ -629,7 +630,8 @@ def test_goodput_model_is_not_thrown_off_by_a_probes_catch_up():
     def learn(step, k, lag=1, catch_up_error=0.0):
         fed = 16 * (k + 1)
         verification = model._modelled(16, 64, 0, fed) + (0.004 if k else 0.0)
-        drafting = model._modelled(16, 64, k, fed, lag) - model._modelled(16, 64, 0, fed) + 0.002 + catch_up_error
+        drafting = model._modelled(16, 64, k, fed, lag) - model._modelled(16, 64, 0, fed)
+        drafting += 0.002 + catch_up_error
         model.learn(StepRecord(16, [0] * 16, k, [k] * 16, [k] * 16, [k + 1] * 16, drafting if k else 0.0,
                                verification, step=step, lag=lag), 64)
     for step in range(1, 30):
