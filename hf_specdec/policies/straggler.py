@@ -124,16 +124,17 @@ class RowSpread:
     def new_call(self) -> None:
         """Close the last call's estimate and start afresh (a new generate() call: new rows)."""
         seen = [(a / m, v / (m * m)) for a, m, v in self.rows.values() if m >= 1.0]
-        mean = sum(f for f, _ in seen) / len(seen) if len(seen) >= 2 else 0.0
-        if mean > 0:                             # relative to the rows' mean: the pass rates are pooled
-            spread = sum((f - mean) ** 2 for f, _ in seen) / (len(seen) - 1)
-            chance = sum(v for _, v in seen) / len(seen)
-            between = (spread - chance) / (mean * mean)
-            self.calls += 1
-            weight = 1.0 / min(self.calls, 10)                              # the last ~10 calls
-            self.excess += weight * (between - self.excess)
-            self.square += weight * (between * between - self.square)
         self.rows = {}
+        mean = sum(f for f, _ in seen) / len(seen) if seen else 0.0
+        if len(seen) < 2 or mean <= 0:
+            return
+        spread = sum((f - mean) ** 2 for f, _ in seen) / (len(seen) - 1)
+        chance = sum(v for _, v in seen) / len(seen)
+        between = (spread - chance) / (mean * mean)   # relative to the rows' mean: the rates are pooled
+        self.calls += 1
+        weight = 1.0 / min(self.calls, 10)             # the last ~10 calls
+        self.excess += weight * (between - self.excess)
+        self.square += weight * (between * between - self.square)
 
     def update(self, rows: list[int], accepted: list[int], mean: float, variance: float) -> None:
         for b, a in zip(rows, accepted):
