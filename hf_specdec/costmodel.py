@@ -1,8 +1,8 @@
 """Latency models for length policies: forward time per model, and the switching cost table.
 
 AdaSpec's model of one forward pass of a batch: T = alpha * N_context + gamma * N_batch_tokens +
-delta (seconds), N_context = context tokens summed over the batch's rows, N_batch_tokens = new
-tokens fed in this forward. Nightjar's switching cost C(L_max, B): the time of the catch-up
+delta (+ wide_extra when it feeds more than one token per row) seconds, N_context = context tokens
+summed over the batch's rows, N_batch_tokens = new tokens fed in this forward. Nightjar's switching cost C(L_max, B): the time of the catch-up
 forward that feeds a draft model the L_max tokens it missed while speculation was off, for B
 rows. Both are measured by `profile()` (`python -m hf_specdec profile ...`) and saved as JSON.
 """
@@ -21,26 +21,36 @@ class LatencyModel:
     alpha: float   # seconds per context token (summed over rows)
     gamma: float   # seconds per new token in the forward (summed over rows)
     delta: float   # fixed seconds per forward
+    # fixed seconds more when a forward feeds several tokens per row (a verification, a catch-up).
+    # On a CPU such a forward takes a slower path (one query per row needs no causal mask): the
+    # tiny pair's target at B=1 takes 9.3 ms for one token, 11.6 for two, then +0.3 ms a token (at
+    # B=2 and 4 alike); one line through widths 1-8 read 0.7 ms a token, and long drafts looked
+    # twice as dear as they are.
+    wide_extra: float = 0.0
 
     def __post_init__(self):
-        for name in ("alpha", "gamma", "delta"):
+        for name in ("alpha", "gamma", "delta", "wide_extra"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"LatencyModel.{name} must be a finite number >= 0, got {value!r}")
 
-    def forward_time(self, context_tokens: float, batch_tokens: float) -> float:
-        return self.alpha * context_tokens + self.gamma * batch_tokens + self.delta
+    def forward_time(self, context_tokens: float, batch_tokens: float, wide: bool = False) -> float:
+        """wide: the forward feeds more than one token per row."""
+        return self.alpha * context_tokens + self.gamma * batch_tokens + self.delta + self.wide_extra * wide
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[float, float, float]]) -> "LatencyModel":
-        """Least squares of the relative error over (N_context, N_batch_tokens, seconds) samples
-        (policies compare step times as ratios, and a batch-16 forward would otherwise swamp the
-        fit of a batch-1 one); coefficients clipped at 0."""
+    def fit(cls, samples: Sequence[tuple]) -> "LatencyModel":
+        """Least squares of the relative error over (N_context, N_batch_tokens, seconds[, wide])
+        samples (policies compare step times as ratios, and a batch-16 forward would otherwise
+        swamp the fit of a batch-1 one); coefficients clipped at 0. wide_extra is fitted only if
+        both one-token and wide forwards are among the samples."""
         if len(samples) < 3:
             raise ValueError(f"LatencyModel.fit needs at least 3 samples, got {len(samples)}")
         import torch
-        x = torch.tensor([[c, b, 1.0] for c, b, _ in samples], dtype=torch.float64)
-        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        wide = [bool(s[3]) if len(s) > 3 else False for s in samples]
+        both = any(wide) and not all(wide)
+        x = torch.tensor([[s[0], s[1], 1.0] + [float(w)] * both for s, w in zip(samples, wide)], dtype=torch.float64)
+        y = torch.tensor([[s[2]] for s in samples], dtype=torch.float64)
         weight = 1 / y.clamp(min=1e-9)
         coef = torch.linalg.lstsq(x * weight, y * weight).solution.flatten().clamp(min=0).tolist()
         return cls(*coef)
@@ -166,7 +176,7 @@ def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths
         for name, model in (("target", target), ("draft", draft)):
             measure = list(widths) + (list(lags) if name == "draft" and c == min(contexts) else [])
             seconds = _time_forwards(model, ids, c, measure, repeats)
-            samples[name] += [(b * c, b * w, t) for w, t in zip(widths, seconds)]
+            samples[name] += [(b * c, b * w, t, w > 1) for w, t in zip(widths, seconds)]
             switch.update({(lag, b): t for lag, t in zip(lags, seconds[len(widths):])})
     table = SwitchCostTable(sorted(lags), sorted(batch_sizes),
                             [[switch[lag, b] for b in sorted(batch_sizes)] for lag in sorted(lags)])

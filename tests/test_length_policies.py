@@ -309,6 +309,24 @@ def test_latency_model_fit_recovers_coefficients():
     fit = LatencyModel.fit(samples)
     for name in ("alpha", "gamma", "delta"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    assert fit.wide_extra == 0.0      # no wide forwards among the samples: not fitted
+
+
+def test_latency_model_fit_separates_the_wide_forwards_fixed_cost_from_the_per_token_slope():
+    # a CPU-like target: feeding a row more than one token costs a fixed 3 ms more, then 0.25 ms a token
+    truth = LatencyModel(alpha=3e-6, gamma=2.5e-4, delta=9e-3, wide_extra=3e-3)
+    rng = random.Random(1)
+    by_batch = {batch: [(batch * context, batch * width, truth.forward_time(batch * context, batch * width, width > 1)
+                         * rng.uniform(0.99, 1.01), width > 1) for context in (32, 64) for width in (1, 3, 5, 8)]
+                for batch in (1, 2, 4, 8)}
+    samples = [s for batch_samples in by_batch.values() for s in batch_samples]
+    fit = LatencyModel.fit(samples)
+    for name in ("gamma", "delta", "wide_extra"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+    # one line through the same times puts the jump into the slope: long verifications look dearer,
+    # most at batch 1 (where the tiny pair's profile read 2.8x the slope)
+    assert LatencyModel.fit([s[:3] for s in samples]).gamma > 1.3 * truth.gamma
+    assert LatencyModel.fit([s[:3] for s in by_batch[1]]).gamma > 2.5 * truth.gamma
 
 
 def test_switch_cost_table_interpolates_clamps_and_extends_past_the_longest_lag():
@@ -320,9 +338,10 @@ def test_switch_cost_table_interpolates_clamps_and_extends_past_the_longest_lag(
     assert table(9, 1) == pytest.approx(9.0) and table(9, 100) == pytest.approx(10.0 + 4 * 2.0)
 
 
-def toy_profile(draft_ratio=0.2):
-    """A target whose verification cost grows with batch tokens; a draft `draft_ratio` as dear."""
-    target = LatencyModel(alpha=1e-6, gamma=2e-3, delta=1e-2)
+def toy_profile(draft_ratio=0.2, wide_extra=0.0):
+    """A target whose verification cost grows with batch tokens (after a jump of `wide_extra`
+    seconds from one token per row); a draft `draft_ratio` as dear."""
+    target = LatencyModel(alpha=1e-6, gamma=2e-3, delta=1e-2, wide_extra=wide_extra)
     draft = LatencyModel(alpha=draft_ratio * 1e-6, gamma=draft_ratio * 2e-3, delta=draft_ratio * 1e-2)
     return CostProfile(target, draft, SwitchCostTable([1, 64], [1, 16], [[1e-3, 5e-3], [1e-2, 5e-2]]))
 
@@ -537,13 +556,14 @@ def test_adaspec_verifies_fewer_tokens_of_unsure_rows():
     assert lengths[0] > lengths[1] and lengths[1] <= 2
 
 
-@pytest.mark.parametrize("slo", [None, 0.0125])
-def test_adaspec_verification_is_the_best_of_every_per_row_choice(slo):
-    """The closed-form trimming against brute force over every combination of per-row prefixes."""
+@pytest.mark.parametrize("slo, wide_extra", [(None, 0.0), (0.0125, 0.0), (None, 0.006), (0.018, 0.006)])
+def test_adaspec_verification_is_the_best_of_every_per_row_choice(slo, wide_extra):
+    """The closed-form trimming against brute force over every combination of per-row prefixes,
+    also where verifying any draft first pays a wide forward's fixed cost."""
     import itertools
     rng = random.Random(0)
     for trial in range(30):
-        policy = hf_specdec.AdaSpec(toy_profile(), max_len=4, calibrate=False, slo_tpot=slo)
+        policy = hf_specdec.AdaSpec(toy_profile(wide_extra=wide_extra), max_len=4, calibrate=False, slo_tpot=slo)
         batch = rng.choice([1, 2, 3])
         policy.choose(StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch))
         confidences = [[rng.random() ** 0.3 for _ in range(4)] for _ in range(batch)]

@@ -42,12 +42,13 @@ class _GoodputModel:
     """The latency model's goodput, corrected online per batch bucket: plain steps' time is scaled
     by their measured / modelled ratio, and a drafting step costs that plus a fixed excess, measured
     apart for its verification (`extra`) and its drafting (`draft_extra`). Fixed, not a second
-    ratio: on a CPU the step that first verifies two tokens per row leaves the matrix-vector kernel
-    for a slower matrix-matrix one (tiny pair, B=1: plain 12 ms, one draft 23 ms, each further draft
-    +3 ms as modelled). A ratio would scale every drafting length alike and keep the model's best
-    length; the fixed cost is what longer drafts amortise. Apart, because a draft's catch-up (a
-    probe after plain steps, a call's first drafts) varies far more than the excess (tiny pair,
-    B=16: 10 ms either side of a 6 ms excess): such a step teaches only its verification side."""
+    ratio: what a drafting step costs beyond its forwards is per step (the draft loop's and the
+    acceptance's work; tiny pair, B=1: ~1.7 ms of a 20 ms step), and a ratio would scale every
+    drafting length alike and keep the model's best length; a fixed cost is what longer drafts
+    amortise (a wide forward's own jump is the profile's `LatencyModel.wide_extra`). Apart, because
+    a draft's catch-up (a probe after plain steps, a call's first drafts) varies far more than the
+    excess (tiny pair, B=16: 10 ms either side of a 6 ms excess): such a step teaches only its
+    verification side."""
 
     def __init__(self, profile: CostProfile, slo_tpot: float | None):
         if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float))
@@ -65,10 +66,10 @@ class _GoodputModel:
         # first one also what the draft missed: `lag` tokens per row (1 in steady state; a whole
         # stretch of plain steps after speculation was off). Summed in closed form (runs per decision).
         draft = self.profile.draft
-        seconds = self.profile.target.forward_time(context, fed)
+        seconds = self.profile.target.forward_time(context, fed, wide=fed > batch)
         if drafted:
             seconds += drafted * draft.forward_time(context, batch) + draft.alpha * batch * drafted * (drafted - 1) / 2 \
-                + draft.gamma * batch * (max(lag, 1) - 1)
+                + (draft.gamma * batch * (lag - 1) + draft.wide_extra if lag > 1 else 0.0)
         return seconds
 
     def _scaled(self, batch: int, context: int, drafted: int, fed: int, lag: int = 1) -> float:
@@ -140,24 +141,28 @@ class _GoodputModel:
 
     def best_verification(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> tuple[list[int], float]:
         """The verify lengths per row that maximise goodput once `drafted` draft forwards are run, and
-        that goodput (-1: over the SLO whatever is verified). Step time is linear in the verified
-        tokens, T = T0 + g n, so a draft with estimate a raises goodput (B + sum a) / T iff
-        a > g x goodput: take drafts in falling order of a while that holds (AR falls along a row, so
-        each row keeps a prefix). O(B k log(B k)), not the O(B^2 k^2) of dropping one at a time."""
-        base = self.step_time(batch, context, drafted, batch)
-        per_token = self.step_time(batch, context, drafted, batch + 1) - base
-        if self.slo_tpot is not None and base > self.slo_tpot:
+        that goodput (-1: over the SLO whatever is verified). Verifying n > 0 drafts takes
+        T = T1 + g (n - 1), T1 including the wide forward's fixed cost (`LatencyModel.wide_extra`),
+        so past the first a draft with estimate a raises goodput (B + sum a) / T iff a > g x goodput:
+        take drafts in falling order of a while that holds (AR falls along a row, so each row keeps
+        a prefix), then keep them only if they beat verifying none. O(B k log(B k)), not the
+        O(B^2 k^2) of dropping one at a time."""
+        none = self.step_time(batch, context, drafted, batch)
+        first = self.step_time(batch, context, drafted, batch + 1)
+        per_token = self.step_time(batch, context, drafted, batch + 2) - first
+        if self.slo_tpot is not None and none > self.slo_tpot:
             return [0] * batch, -1.0
         lengths, gained, kept = [0] * batch, 0.0, 0
         for minus_a, _, b in sorted((-a, j, b) for b, row in enumerate(ar) for j, a in enumerate(row)):
-            seconds = base + per_token * kept
-            if -minus_a * seconds <= per_token * (batch + gained):      # a <= g x goodput
+            seconds = first + per_token * kept               # with this draft verified
+            if kept and -minus_a * (seconds - per_token) <= per_token * (batch + gained):   # a <= g x goodput
                 break
-            if self.slo_tpot is not None and seconds + per_token > self.slo_tpot:
+            if self.slo_tpot is not None and seconds > self.slo_tpot:
                 break
             lengths[b], gained, kept = lengths[b] + 1, gained - minus_a, kept + 1
-        return lengths, (batch + gained) / (base + per_token * kept)
-
+        if not kept or (batch + gained) / (first + per_token * (kept - 1)) <= batch / none:
+            return [0] * batch, batch / none
+        return lengths, (batch + gained) / (first + per_token * (kept - 1))
 
 def _cumulative(values: list[float], acc: float = 1.0) -> list[float]:
     """Running products of `values`, starting from `acc`."""

@@ -255,7 +255,7 @@ class Simulator:
                         r.lag = r.request.prompt_len + r.produced
             if k:
                 drafted = self._drafted(k, rows)
-                draft_s = draft.forward_time(context, sum(r.lag for r in running)) + sum(
+                draft_s = draft.forward_time(context, sum(r.lag for r in running), wide=lag > 1) + sum(
                     draft.forward_time(context + i * rows, rows) for i in range(1, drafted))
                 proposed = [drafted if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
                             for _ in running]
@@ -266,7 +266,8 @@ class Simulator:
                             for p, r in zip(proposed, running)]
             else:
                 draft_s, proposed, accepted = 0.0, [0] * rows, [0] * rows
-            verify_s = target.forward_time(context, rows * (max(proposed) + 1))   # as wide as the longest proposal
+            widest = max(proposed) + 1                      # every row fed as wide as the longest proposal
+            verify_s = target.forward_time(context, rows * widest, wide=widest > 1)
             t += draft_s + verify_s
             emitted = [a + 1 for a in accepted]
             for r, a, e in zip(running, accepted, emitted):
