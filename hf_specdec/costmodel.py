@@ -2,9 +2,10 @@
 
 AdaSpec's model of one forward pass of a batch: T = alpha * N_context + gamma * N_batch_tokens +
 delta (+ wide_extra when it feeds more than one token per row) seconds, N_context = context tokens
-summed over the batch's rows, N_batch_tokens = new tokens fed in this forward. Nightjar's switching cost C(L_max, B): the time of the catch-up
-forward that feeds a draft model the L_max tokens it missed while speculation was off, for B
-rows. Both are measured by `profile()` (`python -m hf_specdec profile ...`) and saved as JSON.
+summed over the batch's rows, N_batch_tokens = new tokens fed in this forward. Nightjar's
+switching cost C(L_max, B): the time of the catch-up forward that feeds a draft model the L_max
+tokens it missed while speculation was off, for B rows. Both are measured by `profile()`
+(`python -m hf_specdec profile ...`) and saved as JSON.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ class LatencyModel:
         import torch
         wide = [bool(s[3]) if len(s) > 3 else False for s in samples]
         both = any(wide) and not all(wide)
-        x = torch.tensor([[s[0], s[1], 1.0] + [float(w)] * both for s, w in zip(samples, wide)], dtype=torch.float64)
+        x = torch.tensor([[s[0], s[1], 1.0] + [float(w)] * both for s, w in zip(samples, wide)],
+                         dtype=torch.float64)
         y = torch.tensor([[s[2]] for s in samples], dtype=torch.float64)
         weight = 1 / y.clamp(min=1e-9)
         coef = torch.linalg.lstsq(x * weight, y * weight).solution.flatten().clamp(min=0).tolist()

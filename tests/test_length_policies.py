@@ -316,8 +316,10 @@ def test_latency_model_fit_separates_the_wide_forwards_fixed_cost_from_the_per_t
     # a CPU-like target: feeding a row more than one token costs a fixed 3 ms more, then 0.25 ms a token
     truth = LatencyModel(alpha=3e-6, gamma=2.5e-4, delta=9e-3, wide_extra=3e-3)
     rng = random.Random(1)
-    by_batch = {batch: [(batch * context, batch * width, truth.forward_time(batch * context, batch * width, width > 1)
-                         * rng.uniform(0.99, 1.01), width > 1) for context in (32, 64) for width in (1, 3, 5, 8)]
+    def sample(batch, context, width):
+        seconds = truth.forward_time(batch * context, batch * width, width > 1) * rng.uniform(0.99, 1.01)
+        return batch * context, batch * width, seconds, width > 1
+    by_batch = {batch: [sample(batch, context, width) for context in (32, 64) for width in (1, 3, 5, 8)]
                 for batch in (1, 2, 4, 8)}
     samples = [s for batch_samples in by_batch.values() for s in batch_samples]
     fit = LatencyModel.fit(samples)
@@ -563,7 +565,8 @@ def test_adaspec_verification_is_the_best_of_every_per_row_choice(slo, wide_extr
     import itertools
     rng = random.Random(0)
     for trial in range(30):
-        policy = hf_specdec.AdaSpec(toy_profile(wide_extra=wide_extra), max_len=4, calibrate=False, slo_tpot=slo)
+        policy = hf_specdec.AdaSpec(toy_profile(wide_extra=wide_extra), max_len=4, calibrate=False,
+                                    slo_tpot=slo)
         batch = rng.choice([1, 2, 3])
         policy.choose(StepContext(0, batch, 1, list(range(batch)), context_tokens=64 * batch))
         confidences = [[rng.random() ** 0.3 for _ in range(4)] for _ in range(batch)]

@@ -160,9 +160,9 @@ class _GoodputModel:
             if self.slo_tpot is not None and seconds > self.slo_tpot:
                 break
             lengths[b], gained, kept = lengths[b] + 1, gained - minus_a, kept + 1
-        if not kept or (batch + gained) / (first + per_token * (kept - 1)) <= batch / none:
-            return [0] * batch, batch / none
-        return lengths, (batch + gained) / (first + per_token * (kept - 1))
+        verified = (batch + gained) / (first + per_token * (kept - 1)) if kept else 0.0
+        return (lengths, verified) if verified > batch / none else ([0] * batch, batch / none)
+
 
 def _cumulative(values: list[float], acc: float = 1.0) -> list[float]:
     """Running products of `values`, starting from `acc`."""
