@@ -23,10 +23,9 @@ class LatencyModel:
     gamma: float   # seconds per new token in the forward (summed over rows)
     delta: float   # fixed seconds per forward
     # fixed seconds more when a forward feeds several tokens per row (a verification, a catch-up).
-    # On a CPU such a forward takes a slower path (one query per row needs no causal mask): the
-    # tiny pair's target at B=1 takes 9.3 ms for one token, 11.6 for two, then +0.3 ms a token (at
-    # B=2 and 4 alike); one line through widths 1-8 read 0.7 ms a token, and long drafts looked
-    # twice as dear as they are.
+    # On a CPU such a forward takes a slower path: the tiny pair's target at B=1 takes 9.3 ms for
+    # one token, 11.6 for two, then +0.3 ms a token (at B=2 and 4 alike); one line through widths
+    # 1-8 read 0.7 ms a token, and long drafts looked twice as dear as they are.
     wide_extra: float = 0.0
 
     def __post_init__(self):
@@ -48,7 +47,7 @@ class LatencyModel:
         if len(samples) < 3:
             raise ValueError(f"LatencyModel.fit needs at least 3 samples, got {len(samples)}")
         import torch
-        wide = [bool(s[3]) if len(s) > 3 else False for s in samples]
+        wide = [len(s) > 3 and bool(s[3]) for s in samples]
         both = any(wide) and not all(wide)
         x = torch.tensor([[s[0], s[1], 1.0] + [float(w)] * both for s, w in zip(samples, wide)],
                          dtype=torch.float64)

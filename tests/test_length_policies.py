@@ -316,6 +316,7 @@ def test_latency_model_fit_separates_the_wide_forwards_fixed_cost_from_the_per_t
     # a CPU-like target: feeding a row more than one token costs a fixed 3 ms more, then 0.25 ms a token
     truth = LatencyModel(alpha=3e-6, gamma=2.5e-4, delta=9e-3, wide_extra=3e-3)
     rng = random.Random(1)
+
     def sample(batch, context, width):
         seconds = truth.forward_time(batch * context, batch * width, width > 1) * rng.uniform(0.99, 1.01)
         return batch * context, batch * width, seconds, width > 1
