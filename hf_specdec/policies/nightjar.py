@@ -221,7 +221,7 @@ class Nightjar(LengthPolicy):
         self.rates_at = list(self.judged)
         self.finishing = straggler.FinishingRows()   # rows that can be a call's last
         self.spread = straggler.RowSpread()          # how much rows' acceptance differs for good
-        self.moments: list[tuple[float, float]] = []  # by k: a row's accepted drafts, mean and variance
+        self.moments: list[tuple[float, float]] = []  # _moments (a cache, emptied with the rates)
         self.previous_k = None
         self.drafted = False        # has this call drafted yet?
         self.switched = False
@@ -311,9 +311,17 @@ class Nightjar(LengthPolicy):
         to the acceptance's and the step times'."""
         if not ctx.static_batch:
             return [1.0] * (self.max_len + 1)
-        passed, finishing, spread = self._pass_rates(0), self.finishing(ctx.batch_size), self.spread.spread
-        return [straggler.stretch(finishing, ctx.remaining, passed[:k], ctx.rooms, spread) if k else 1.0
-                for k in range(self.max_len + 1)]
+        moments, finishing, spread = self._moments(), self.finishing(ctx.batch_size), self.spread.spread
+        return [straggler.stretch_of_moments(finishing, ctx.remaining, *moments[k], ctx.rooms, spread)
+                if k else 1.0 for k in range(self.max_len + 1)]
+
+    def _moments(self) -> list[tuple[float, float]]:
+        """By k: a row's tokens per step at arm k, mean and variance, from the pooled pass rates
+        (`straggler.emission_moments`); kept until the rates are recomputed."""
+        if not self.moments:
+            passed = self._pass_rates(0)
+            self.moments = [straggler.emission_moments(passed[:k]) for k in range(self.max_len + 1)]
+        return self.moments
 
     def _stale(self, state: _BatchState, arms: list[int]) -> int | None:
         """(prune) At a block's start: the arm still in the running that the whole previous block
@@ -379,11 +387,8 @@ class Nightjar(LengthPolicy):
             if any(n > seen * 17 / 16 for n, seen in zip(self.judged, self.rates_at)):
                 self.rates, self.rates_at, self.moments = {}, list(self.judged), []
             if record.k:     # every row was asked for k drafts: how far from the pooled rates did each get?
-                if not self.moments:
-                    passed = self._pass_rates(0)
-                    self.moments = [(m - 1.0, v) for m, v in
-                                    (straggler.emission_moments(passed[:k]) for k in range(self.max_len + 1))]
-                self.spread.update(record.rows, record.accepted, *self.moments[record.k])
+                tokens, variance = self._moments()[record.k]
+                self.spread.update(record.rows, record.accepted, tokens - 1.0, variance)
         state = self.states.get(self._key(record.batch_size))
         tokens = sum(record.emitted)
         if state is None or tokens == 0 or record.k > self.max_len or not self.measured:

@@ -59,9 +59,17 @@ def stretch(batch: int, remaining: int, ar: list[float], rooms: list[int] = (), 
     ascending (`StepContext.rooms`), if known: only rows within reach of the longest can be last
     (`contenders`). At most the mean tokens per step: no row takes more steps than it has tokens
     to go. spread: the relative spread of the rows' acceptance beyond chance (`RowSpread`)."""
-    if batch <= 1 or remaining <= 0 or not ar:
+    if not ar:
         return 1.0
-    mean, var = emission_moments(ar)
+    return stretch_of_moments(batch, remaining, *emission_moments(ar), rooms, spread)
+
+
+def stretch_of_moments(batch: int, remaining: int, mean: float, var: float, rooms: list[int] = (),
+                       spread: float = 0.0) -> float:
+    """`stretch` from a row's tokens per step, mean and variance (`emission_moments`), for callers
+    that keep them."""
+    if batch <= 1 or remaining <= 0:
+        return 1.0
     if rooms:
         batch = min(batch, contenders(rooms, remaining, mean, var))
     z = expected_max_normal(batch)
