@@ -1,8 +1,8 @@
 PY ?= python3
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-latest bench
 install: .installed
-.installed: pyproject.toml scripts/install.sh
+.installed: pyproject.toml scripts/install.sh scripts/constraints.txt
 	PYTHON=$(PY) bash scripts/install.sh
 	touch .installed
 
@@ -14,3 +14,7 @@ test: install
 
 bench: install
 	$(PY) eval/bench_generate.py
+
+# the suite on the newest release of every dependency, in a throwaway virtual environment
+test-latest:
+	PYTHON=$(PY) bash scripts/test_latest.sh

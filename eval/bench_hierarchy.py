@@ -94,10 +94,10 @@ def forward_seconds(model, batch: int, repeats: int = 5) -> float:
     times = []
     for _ in range(repeats):
         cache = _compat.new_cache(model)
-        model(input_ids=ids[:, :64], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :64], use_cache=True, **_compat.cache_kwargs(model, cache))
         sync()
         start = time.perf_counter()
-        model(input_ids=ids[:, 64:], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, 64:], use_cache=True, **_compat.cache_kwargs(model, cache))
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -51,7 +51,8 @@ def largest_batch(target, device, context, upper=4096):
         try:
             cache = hf_specdec._compat.new_cache(target)
             ids = torch.zeros(b, context, dtype=torch.long, device=device)
-            target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            target(input_ids=ids, use_cache=True, logits_to_keep=1,
+                   **hf_specdec._compat.cache_kwargs(target, cache))
             return True
         except torch.OutOfMemoryError:
             return False

@@ -1,11 +1,17 @@
-"""The only module that touches Transformers internals (cache layout, output classes).
+"""The only module that touches Transformers internals (cache layout, kwarg names, output classes).
 
-Checked against transformers 5.x: `DynamicCache(config=...)` builds one layer per decoder layer,
-`Cache.crop(-n)` drops the last n slots of every row, `Cache.batch_select_indices` keeps rows, and
-a layer's `keys` / `values` are [batch, heads, slots, head_dim] tensors.
+Checked against transformers 5.23.0 and 5.24.0 (the test suite runs on both):
+- `DynamicCache(config=...)` builds one layer per decoder layer, `Cache.crop(-n)` drops the last n
+  slots of every row, `Cache.batch_select_indices` keeps rows, and a layer's `keys` / `values` are
+  [batch, heads, slots, head_dim] tensors.
+- The KV cache kwarg: `past_key_values` up to 5.23; 5.24 renamed it `cache` in model forwards and in
+  the `model_kwargs` that `generate()` hands a custom decoding loop (the old name still works there
+  until 5.40 / 6.0, with a FutureWarning). Every cache kwarg we pass or read goes through
+  `cache_kwargs` / `CACHE_KWARG_NAMES`, so the next rename is a change here only.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -14,9 +20,42 @@ import transformers
 from transformers import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-_MAJOR = int(transformers.__version__.split(".")[0])
-if _MAJOR != 5:  # pragma: no cover - guarded at import so a mismatch fails loudly, not subtly
-    raise ImportError(f"hf_specdec needs transformers 5.x, found {transformers.__version__}")
+SUPPORTED_TRANSFORMERS = ">=5.23,<6"
+
+
+def check_transformers_version(version: str) -> None:
+    """Refuse a transformers release outside SUPPORTED_TRANSFORMERS, naming the range."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return  # a source build with an unusual version string: let it through
+    if major != 5 or minor < 23:
+        raise ImportError(f"hf_specdec supports transformers {SUPPORTED_TRANSFORMERS}, found {version}; "
+                          f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'")
+
+
+check_transformers_version(transformers.__version__)
+
+# names under which generate() may hand a custom decoding loop the KV cache, newest first
+CACHE_KWARG_NAMES = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_name(model_class: type) -> str:
+    # the deprecation decorators keep the wrapped signature (functools.wraps), so this reads the
+    # real parameter list; a remote-code model may still use the old name on a new release
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """`{name: cache}` with the KV cache kwarg name that `model.forward` takes."""
+    return {_cache_kwarg_name(type(model)): cache}
+
+
+def cache_from_model_kwargs(model_kwargs: dict):
+    """The cache `generate()` put in a custom loop's `model_kwargs` (under either name), or None."""
+    return next((model_kwargs[name] for name in CACHE_KWARG_NAMES if model_kwargs.get(name) is not None), None)
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
@@ -56,18 +95,21 @@ def append_rows(cache: DynamicCache, rows: int, other: DynamicCache, other_rows:
     def filled(layer):
         return layer.is_initialized and layer.keys.numel() > 0
     for layer, extra in zip(cache.layers, other.layers):
-        parts = [(layer, rows), (extra, other_rows)]
-        full = [part for part, _ in parts if filled(part)]
+        parts = [(part, n, filled(part)) for part, n in ((layer, rows), (extra, other_rows))]
+        full = [part for part, _, has_slots in parts if has_slots]
         if not full:
             continue
         width = max(part.keys.shape[-2] for part in full)
-        for name in ("keys", "values"):
-            like = getattr(full[0], name)                                      # [n, heads, slots, dim]
-            tensors = [getattr(part, name) if filled(part) else like.new_zeros(n, like.shape[1], 0, like.shape[3])
-                       for part, n in parts]
-            setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))
-                                            for t in tensors], 0))
-        layer.dtype, layer.device, layer.is_initialized = full[0].dtype, full[0].device, True
+
+        def merged(name):
+            like = getattr(full[0], name)                                       # [n, heads, slots, dim]
+            return torch.cat([torch.nn.functional.pad(getattr(part, name), (0, 0, width - getattr(part, name).shape[-2], 0))
+                              if has_slots else like.new_zeros(n, like.shape[1], width, like.shape[3])
+                              for part, n, has_slots in parts], 0)
+        keys, values = merged("keys"), merged("values")
+        if not layer.is_initialized:  # the layer's own bookkeeping (device; dtype up to 5.23)
+            layer.lazy_initialization(full[0].keys, full[0].values)
+        layer.keys, layer.values = keys, values
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:

@@ -94,7 +94,7 @@ class CachedModel:
         # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
         mask = self.slot_mask if self.holes else None
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, **kwargs)
+                         use_cache=True, **_compat.cache_kwargs(self.model, self.cache), **kwargs)
         self.num_real += real.sum(1)
         self.forwards += 1
         return out.logits[:, -keep:].to(device=out_device, dtype=torch.float32)

@@ -143,12 +143,13 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
     out = []
     with torch.no_grad():
         if context:
-            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :context], use_cache=True, **_compat.cache_kwargs(model, cache))
         for width in widths:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                model(input_ids=ids[:, context: context + width], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, context: context + width], use_cache=True,
+                      **_compat.cache_kwargs(model, cache))
                 if ids.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
 # (token_type_ids, pixel_values, ...) would be silently ignored by our forwards, so it is refused
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "past_key_values"}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *_compat.CACHE_KWARG_NAMES}
 
 
 def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None = None,
@@ -415,8 +415,9 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
     if unknown:
         raise ValueError(f"model inputs {unknown} are not supported with speculative decoding; "
                          "pass input_ids and attention_mask only")
-    cache = model_kwargs.get("past_key_values")
+    cache = _compat.cache_from_model_kwargs(model_kwargs)
     if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("past_key_values with content is not supported: hf_specdec builds its own caches")
+        raise ValueError("a KV cache with content (cache= / past_key_values=) is not supported: hf_specdec "
+                         "builds its own caches")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}")

