@@ -39,14 +39,11 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `eval` as a package from anywhere
 import hf_specdec  # noqa: E402
-from eval.humaneval_data import STOP_SEQUENCES as CODEX_STOPS  # noqa: E402
-from eval.humaneval_data import load_pass_at_k_metric, load_problems, truncate_completion  # noqa: E402
+from eval.humaneval_data import load_pass_at_k_metric, load_problems, prompt_text, truncate_completion  # noqa: E402
 from eval.sandbox import run_checks  # noqa: E402
 
 logger = logging.getLogger("humaneval")
 DRAFTER_KINDS = ("bf16", "fp16", "int8", "pld", "draft", "hier")   # hier: int8 -> bf16 -> target
-# Codex's stop sequences, plus the end of the code block the chat prompt style opens
-STOP_SEQUENCES = (*CODEX_STOPS, "```")
 
 
 @dataclass(frozen=True)
@@ -118,18 +115,6 @@ def read_done(path: Path) -> dict:
     return done
 
 
-def prompt_text(problem, tokenizer, style: str) -> str:
-    """The text the model continues. `chat` (instruct models): the chat template asking for the
-    function, with the assistant's answer opened as a code block that already holds the prompt,
-    so the model writes the body and the completion is code; `raw`: the HumanEval prompt itself."""
-    if style == "raw":
-        return problem["prompt"]
-    messages = [{"role": "user", "content": "Complete the following Python function.\n\n```python\n"
-                 + problem["prompt"] + "```"}]
-    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return chat + "```python\n" + problem["prompt"]
-
-
 def generate_batch(model, tokenizer, drafter, method, problem, count, seed, args):
     """`count` completions of one problem: (texts, new token counts, seconds, spec stats or None)."""
     text = prompt_text(problem, tokenizer, args.prompt_style)
@@ -169,7 +154,7 @@ def run(args, methods, problems, out_dir: Path):
             seed = args.seed * 1_000_003 + int(problem["task_id"].split("/")[1]) * 1009 + first
             texts, lengths, seconds, stats = generate_batch(model, tokenizer, drafters.get(method.drafter),
                                                             method, problem, count, seed, args)
-            completions = [truncate_completion(t, STOP_SEQUENCES) for t in texts]
+            completions = [truncate_completion(t) for t in texts]
             results = run_checks([(problem, c) for c in completions], workers=2, timeout=args.timeout,
                                  progress=False)
             for i, (raw, completion, n_tokens, result) in enumerate(zip(texts, completions, lengths, results)):

@@ -15,8 +15,9 @@ from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
-# Codex-style stop sequences: a completion of a function body ends where top-level code starts again.
-STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+# Codex-style stop sequences (a completion of a function body ends where top-level code starts
+# again), plus the end of the code block that the chat prompt opens.
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "```")
 
 _METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "code_pass_at_k"
 
@@ -75,6 +76,18 @@ def _select(rows: list[dict], wanted: Sequence[str | int]) -> list[dict]:
         raise ValueError(f"unknown HumanEval problems {unknown!r}: expected task ids like 'HumanEval/0' "
                          f"or indices in [0, {len(rows)})")
     return picked
+
+
+def prompt_text(problem, tokenizer, style: str) -> str:
+    """The text the model continues. `chat` (instruct models): the chat template asking for the
+    function, with the assistant's answer opened as a code block that already holds the prompt,
+    so the model writes the body and the completion is code; `raw`: the HumanEval prompt itself."""
+    if style == "raw":
+        return problem["prompt"]
+    messages = [{"role": "user", "content": "Complete the following Python function.\n\n```python\n"
+                 + problem["prompt"] + "```"}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return chat + "```python\n" + problem["prompt"]
 
 
 def truncate_completion(text: str, stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:

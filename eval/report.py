@@ -1,0 +1,75 @@
+"""What every benchmark writes: a stamp (commit, versions, machine), and JSON + markdown + PNG.
+
+    from report import stamp, write_results
+    write_results(Path("docs/results/bench_generate"), "qwen-coder", payload, table_md, plot_fn)
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+PACKAGES = ("hf-specdec", "torch", "transformers", "accelerate", "tokenizers", "gguf", "numpy")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def stamp() -> dict:
+    """Commit, package versions, machine and time of a benchmark run."""
+    import torch
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"commit": _commit(), "versions": versions, "python": platform.python_version(),
+            "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "device": device},
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def stamp_line(s: dict) -> str:
+    v = s["versions"]
+    return (f"commit {s['commit']}, {s['date']}; torch {v['torch']}, transformers {v['transformers']}; "
+            f"{s['machine']['cpu']}, {s['machine']['cores']} cores, {s['machine']['torch_threads']} torch threads, "
+            f"device {s['machine']['device']}")
+
+
+def write_results(directory: Path, name: str, payload: dict, table: str,
+                  plot: Callable[[Path], None] | None = None) -> Path:
+    """Write `directory/name.{json,md,png}`; the markdown starts with the stamp. Returns the .md path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    s = payload.setdefault("stamp", stamp())
+    (directory / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    md = directory / f"{name}.md"
+    md.write_text(f"_{stamp_line(s)}_\n\n{table}")
+    if plot is not None:
+        plot(directory / f"{name}.png")
+    return md
