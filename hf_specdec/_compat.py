@@ -103,9 +103,10 @@ def append_rows(cache: DynamicCache, rows: int, other: DynamicCache, other_rows:
 
         def merged(name):
             like = getattr(full[0], name)                                       # [n, heads, slots, dim]
-            return torch.cat([torch.nn.functional.pad(getattr(part, name), (0, 0, width - getattr(part, name).shape[-2], 0))
-                              if has_slots else like.new_zeros(n, like.shape[1], width, like.shape[3])
-                              for part, n, has_slots in parts], 0)
+            padded = [torch.nn.functional.pad(t := getattr(part, name), (0, 0, width - t.shape[-2], 0))
+                      if has_slots else like.new_zeros(n, like.shape[1], width, like.shape[3])
+                      for part, n, has_slots in parts]
+            return torch.cat(padded, 0)
         keys, values = merged("keys"), merged("values")
         if not layer.is_initialized:  # the layer's own bookkeeping (device; dtype up to 5.23)
             layer.lazy_initialization(full[0].keys, full[0].values)

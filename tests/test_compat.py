@@ -79,3 +79,23 @@ def test_installed_transformers_is_supported():
     _compat.check_transformers_version(transformers.__version__)
     _compat.check_transformers_version("5.23.0")
     _compat.check_transformers_version("5.30.0.dev0")
+
+
+def test_the_library_needs_only_torch_transformers_and_accelerate():
+    """Core requirements carry no torch cap (a user's CUDA torch is kept) and nothing only eval uses;
+    importing the library loads none of the extras."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    names = {req.split(">")[0].split("<")[0].split("=")[0].strip(): req for req in project["dependencies"]}
+    assert set(names) <= {"torch", "transformers", "accelerate", "tqdm"}
+    assert "<" not in names["torch"]
+    assert {"eval", "embedded", "test"} <= set(project["optional-dependencies"])
+    extras = ["datasets", "evaluate", "matplotlib", "gguf"]
+    loaded = subprocess.run([sys.executable, "-c", "import sys, hf_specdec, hf_specdec.embedded; "
+                             f"print([m for m in {extras!r} if m in sys.modules])"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

