@@ -139,8 +139,8 @@ def run_env(name, args):
                     stats = getattr(out, "spec_stats", None)
                     if stats is not None:
                         mat[method].append((stats.tokens_generated, sum(r.batch_size for r in stats.steps)))
-                    verdicts[method] += compare_rows(model, inputs["input_ids"], inputs["attention_mask"], plain,
-                                                     sequences, eos)
+                    for v in compare_rows(model, inputs["input_ids"], inputs["attention_mask"], plain, sequences, eos):
+                        verdicts[method].append(dict(v, prompt=c * batch + v["row"]))  # index among --problems
         plain_chunk = [statistics.median(t) for t in seconds["plain"]]
         for method in methods:
             chunk = [statistics.median(t) for t in seconds[method]]
@@ -210,7 +210,7 @@ def plot(rows, path: Path) -> None:
     plt.close(fig)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", default="qwen-coder")
     parser.add_argument("--batch-sizes", default="1,4,16")
@@ -221,7 +221,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--name", default=None, help="output name (default: the envs)")
     parser.add_argument("--out-dir", default="docs/results/bench_generate")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.adaptive = [a for a in args.adaptive.split(",") if a]
     for env in args.envs.split(","):

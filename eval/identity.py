@@ -36,7 +36,7 @@ def ulp(value: float, dtype: torch.dtype) -> float:
 @torch.no_grad()
 def compare_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plain: torch.Tensor,
                  spec: torch.Tensor, eos_token_id=None, ulps: float = 2.0) -> list[dict]:
-    """One verdict per row: {"verdict": identical | near_tie | other, "position", "gap", "ulp"}.
+    """One verdict per row: {"row", "verdict": identical | near_tie | other, "position", "gap", "ulp"}.
 
     input_ids/attention_mask: the [batch, prompt] inputs (left padding allowed); plain/spec: the
     [batch, prompt + new] outputs of plain and speculative generate().
@@ -47,20 +47,20 @@ def compare_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     for b in range(input_ids.shape[0]):
         a, s = _cut(plain[b, prompt_len:], eos_token_id), _cut(spec[b, prompt_len:], eos_token_id)
         if torch.equal(a, s):
-            verdicts.append({"verdict": "identical", "position": None, "gap": None, "ulp": None})
+            verdicts.append({"row": b, "verdict": "identical", "position": None, "gap": None, "ulp": None})
             continue
         n = min(len(a), len(s))
         diff = (a[:n] != s[:n]).nonzero()
         pos = int(diff[0]) if len(diff) else n
         if pos == n:  # one is a prefix of the other: a length difference, not a token choice
-            verdicts.append({"verdict": "other", "position": pos, "gap": None, "ulp": None})
+            verdicts.append({"row": b, "verdict": "other", "position": pos, "gap": None, "ulp": None})
             continue
         prefix = torch.cat([input_ids[b][mask[b].bool()], a[:pos]])[None]
         logits = model(input_ids=prefix.to(model.device)).logits[0, -1].float()
         gap = float(logits[a[pos]] - logits[s[pos]])
         step = ulp(float(logits[a[pos]]), model.dtype)
-        verdicts.append({"verdict": "near_tie" if abs(gap) <= ulps * step else "other", "position": pos,
-                         "gap": gap, "ulp": step})
+        verdicts.append({"row": b, "verdict": "near_tie" if abs(gap) <= ulps * step else "other",
+                         "position": pos, "gap": gap, "ulp": step})
     return verdicts
 
 
