@@ -9,6 +9,8 @@ Environments (greedy; every output is checked against plain generate()):
   tiny-partial    the same with upper layers at 5% strength: the 1-layer draft agrees ~74% of the time
   tiny-useless    the same target with an unrelated random 1-layer draft (nothing pays)
   smollm2-<bf16|int8|pld>  the embedded SmolLM2-135M-Instruct on HumanEval prompts with that drafter
+  qwen-coder      the real pair: Qwen2.5-Coder-1.5B-Instruct with the 0.5B as drafter (bf16), on
+                  HumanEval problems in the chat prompt
 Each environment is profiled first (`hf_specdec.costmodel.profile`, the `python -m hf_specdec
 profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy objects live for the
 whole environment, so Nightjar learns per batch size across runs, as a server would; before the
@@ -47,7 +49,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, profile
 from hf_specdec.testing import build, layer_skip_pair
-from humaneval_data import load_problems  # eval/ is on sys.path when run as a script
+from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
+from report import stamp
 
 logger = logging.getLogger("bench_lengths")
 FIXED = range(0, 7)    # fixed:0: plain decoding in our loop
@@ -91,7 +94,16 @@ def smollm2_env(kind: str):
     return model, drafter, _SMOLLM2["inputs"]
 
 
-ENVS = {"tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
+def qwen_coder_env():
+    from hf_specdec.embedded import load_model
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=64)]
+    return model, hf_specdec.ModelDrafter(draft, name="qwen-0.5b"), \
+        lambda b: dict(tokenizer(texts[:b], return_tensors="pt", padding=True, add_special_tokens=False))
+
+
+ENVS = {"qwen-coder": qwen_coder_env, "tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
         "tiny-useless": lambda: tiny_env("useless"),
         "smollm2-bf16": lambda: smollm2_env("bf16"), "smollm2-int8": lambda: smollm2_env("int8"),
         "smollm2-pld": lambda: smollm2_env("pld")}
@@ -370,7 +382,8 @@ def main(argv=None):
 
     def save(env, results):      # after every batch size, so a stopped run keeps what it measured
         all_results[env] = results
-        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": all_results}, indent=1))
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "stamp": stamp(), "results": all_results},
+                                                       indent=1))
         out.with_suffix(".md").write_text(markdown(all_results, args))
 
     for env in args.envs.split(","):
