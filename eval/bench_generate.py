@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 import hf_specdec
 from hf_specdec.testing import exact_cheap_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
-from identity import compare_rows, counts
+from identity import compare_rows, counts, until_eos
 from report import write_results
 
 logger = logging.getLogger("bench_generate")
@@ -95,17 +95,6 @@ def hf_assisted(model, drafter, k):
     return {"assistant_model": drafter.model}
 
 
-def count_new_tokens(sequences, prompt_len, eos):
-    """Tokens generated per batch, up to and including each row's EOS."""
-    new = sequences[:, prompt_len:]
-    if eos is None:
-        return new.numel()
-    is_eos = new == eos
-    first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(is_eos[:, 0], new.shape[1],
-                                                                                     dtype=torch.long))
-    return int(first.sum())
-
-
 def run_env(name, args):
     model, drafters, make_inputs = ENVS[name](args)
     hf_specdec.enable(model)
@@ -135,7 +124,7 @@ def run_env(name, args):
                     sequences = out.sequences if hasattr(out, "sequences") else out
                     if plain is None:
                         plain = sequences
-                        tokens[c] = count_new_tokens(plain, inputs["input_ids"].shape[1], eos)
+                        tokens[c] = sum(len(until_eos(row, eos)) for row in plain[:, inputs["input_ids"].shape[1]:])
                     stats = getattr(out, "spec_stats", None)
                     if stats is not None:
                         mat[method].append((stats.tokens_generated, sum(r.batch_size for r in stats.steps)))

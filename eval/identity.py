@@ -19,7 +19,7 @@ import torch
 VERDICTS = ("identical", "near_tie", "other")
 
 
-def _cut(row: torch.Tensor, eos) -> torch.Tensor:
+def until_eos(row: torch.Tensor, eos) -> torch.Tensor:
     """New tokens up to and including the first EOS (what both decoders are committed to)."""
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     hits = [i for i, t in enumerate(row.tolist()) if t in eos_ids]
@@ -45,7 +45,7 @@ def compare_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     verdicts = []
     for b in range(input_ids.shape[0]):
-        a, s = _cut(plain[b, prompt_len:], eos_token_id), _cut(spec[b, prompt_len:], eos_token_id)
+        a, s = until_eos(plain[b, prompt_len:], eos_token_id), until_eos(spec[b, prompt_len:], eos_token_id)
         if torch.equal(a, s):
             verdicts.append({"row": b, "verdict": "identical", "position": None, "gap": None, "ulp": None})
             continue

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 import hf_specdec  # noqa: E402
 from hf_specdec.embedded import load_model  # noqa: E402
 from humaneval_data import load_problems, prompt_text, truncate_completion  # noqa: E402
-from identity import compare_rows, counts  # noqa: E402
+from identity import compare_rows, counts, until_eos  # noqa: E402
 from sandbox import run_checks  # noqa: E402
 
 # The demo's first problems: short to medium bodies, so a run takes minutes on a 2-core CPU.
@@ -69,7 +69,7 @@ def main():
                 total["seconds"] += time.perf_counter() - t
                 plain = out.sequences if plain is None else plain
                 new = out.sequences[:, inputs.input_ids.shape[1]:]
-                total["tokens"] += int(sum(_length(row, tokenizer) for row in new))
+                total["tokens"] += sum(len(until_eos(row, tokenizer.eos_token_id)) for row in new)
                 stats = getattr(out, "spec_stats", None)
                 if stats is not None:
                     total["spec_tokens"] += stats.tokens_generated
@@ -95,15 +95,6 @@ def main():
     print("\nevery speculative output identical to plain generate() or differing at a bf16 near-tie:", bugs == 0)
     print("(one run; timings on a shared 2-core CPU move 5-15%: eval/bench_generate.py repeats them)")
     raise SystemExit(0 if bugs == 0 else 1)
-
-
-def _length(row: torch.Tensor, tokenizer) -> int:
-    """New tokens up to and including the first EOS/pad (later ones are padding)."""
-    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    for i, token in enumerate(row.tolist()):
-        if token in stop:
-            return i + 1
-    return len(row)
 
 
 if __name__ == "__main__":
