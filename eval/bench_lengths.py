@@ -50,10 +50,11 @@ import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, profile
 from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
+from identity import compare_rows, counts
 from report import stamp
 
 logger = logging.getLogger("bench_lengths")
-FIXED = range(0, 7)    # fixed:0: plain decoding in our loop
+FIXED = range(0, 9)    # fixed:0: plain decoding in our loop
 LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar")   # policies whose state improves with use
 # plain-again: plain generate() timed a second time, a control whose ratio to plain is the noise floor
 METHODS = ["plain", "plain-again", *(f"fixed:{k}" for k in FIXED), "hf-heuristic", "hf-confidence", *LEARNING[1:]]
@@ -185,8 +186,9 @@ def changing_budgets(rows: int, longest: int, spread: str) -> list[int]:
     return [round(4 * (longest / 4) ** f) for f in frac]
 
 
-def run_env(name, args, save=lambda results: None) -> dict:
-    """Every method on every batch size of one environment; `save(results)` after each batch size."""
+def run_env(name, args, save=lambda results: None, done: dict | None = None) -> dict:
+    """Every method on every batch size of one environment; `save(results)` after each batch size.
+    `done`: this environment's results of an interrupted run; its batch sizes are not run again."""
     model, drafter, make_inputs = ENVS[name]()
     hf_specdec.enable(model)
     eos = model.generation_config.eos_token_id
@@ -196,8 +198,10 @@ def run_env(name, args, save=lambda results: None) -> dict:
     shrinking = {b for _, rows in changing for b in (rows, *(2 ** i for i in range(rows.bit_length())))}
     prof = env_profile(model, drafter, sorted({*args.batch_sizes, *shrinking}), make_inputs(1)["input_ids"].shape[1])
     methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
-    results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}}
+    results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}, **(done or {})}
     for batch, rows in [(b, b) for b in args.batch_sizes] + changing:
+        if str(batch) in results["batches"]:
+            continue
         inputs = make_inputs(rows)
         prompt_len = inputs["input_ids"].shape[1]
         criteria = None
@@ -213,6 +217,10 @@ def run_env(name, args, save=lambda results: None) -> dict:
         outs, times, drafting = timed_rounds(list(methods), args.repeats, f"{name} batch={batch}", run_one)
         plain = outs["plain"].sequences
         tokens = new_tokens(outs["plain"], prompt_len, eos)
+
+        def identity(out):      # identical / first divergence at a near-tie of the dtype / other (a bug)
+            return counts(compare_rows(model, inputs["input_ids"], inputs.get("attention_mask"), plain,
+                                       out.sequences, eos))
         rows_out = {}
         for m, out in outs.items():
             stats = getattr(out, "spec_stats", None)
@@ -221,7 +229,7 @@ def run_env(name, args, save=lambda results: None) -> dict:
                 "tokens_per_s_fastest": round(tokens / min(times[m]), 2),
                 "seconds": [round(t, 4) for t in times[m]],
                 "drafting_steps": drafting[m],
-                "identical_to_plain": bool(out.sequences.shape == plain.shape and torch.equal(out.sequences, plain)),
+                "identity": identity(out),
                 "mean_accepted_tokens": round(stats.mean_accepted_tokens, 3) if stats else 1.0,
                 # the last run's time in steps after its first row finished: speculation drifts a
                 # static batch's rows apart, and the call waits for the slowest at a smaller batch
@@ -256,12 +264,18 @@ def run_env(name, args, save=lambda results: None) -> dict:
                 "x_plain": paired_speed(c_times["plain"], c_times[m]),
                 **({"x_fixed": {k: paired_speed(c_times[k], c_times[m]) for k in confirm if k.startswith("fixed:")}}
                    if every_k and m not in fixed else {}),
-                "identical_to_plain": bool(torch.equal(c_outs[m].sequences, plain)),
+                "identity": identity(c_outs[m]),
             } for m in confirm}
         logger.info("%s batch=%s oracle=%s %s", name, batch, oracle,
                     {m: r["tokens_per_s"] for m, r in rows_out.items()})
         save(results)
     return results
+
+
+def identity_mark(identity: dict) -> str:
+    """"" when every row is identical to plain; else " ~n" (n rows first diverge at a near-tie) and/or
+    " ≠n" (n rows diverge otherwise: a bug)."""
+    return "".join(f" {sign}{identity[v]}" for v, sign in (("near_tie", "~"), ("other", "≠")) if identity[v])
 
 
 def markdown(all_results: dict, args) -> str:
@@ -277,13 +291,14 @@ def markdown(all_results: dict, args) -> str:
             cells = []
             for b in batches:
                 r = res["batches"][b]["methods"][m]
-                mark = "" if r["identical_to_plain"] else " ≠"
+                mark = identity_mark(r["identity"])
                 fastest = f" / {r['vs_oracle_fastest']:.2f}" if "vs_oracle_fastest" in r else ""
                 cells.append(f"{r['tokens_per_s']:.1f} ({r['vs_oracle']:.2f}{fastest}){mark}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("| oracle | " + " | ".join(res["batches"][b]["oracle"] for b in batches) + " |")
         lines += ["", "plain-again is plain generate() timed a second time: its distance from plain's ratio is "
-                  "the noise of this machine, not a method's merit.", ""]
+                  "the noise of this machine, not a method's merit. ~n: n rows first differ from plain at a "
+                  "near-tie of the target's dtype (re-scored, eval/identity.py); ≠n: n rows differ otherwise.", ""]
         confirmed = [b for b in batches if "confirm" in res["batches"][b]]
         if confirmed:
             shown = list(dict.fromkeys(m for b in confirmed for m in res["batches"][b]["confirm"]))
@@ -299,7 +314,7 @@ def markdown(all_results: dict, args) -> str:
                     if r is None:
                         cells.append("")
                         continue
-                    (lo, hi), mark = r["x_oracle"]["ci90"], "" if r["identical_to_plain"] else " ≠"
+                    (lo, hi), mark = r["x_oracle"]["ci90"], identity_mark(r["identity"])
                     cells.append(f"{r['x_oracle']['median']:.2f} / {r['x_plain']['median']:.2f} "
                                  f"[{lo:.2f}, {hi:.2f}]{mark}")
                 lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -317,26 +332,40 @@ def markdown(all_results: dict, args) -> str:
 
 
 def plot(all_results: dict, path: Path) -> None:
+    """Per environment: speed x plain per batch size of the best fixed k and of each policy; and, when
+    there is a changing run, the drafts per step of the policies there against the active batch size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    envs = [e for e in all_results if "changing" in all_results[e]["batches"]]
-    if not envs:
-        return
-    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3 * len(envs)), squeeze=False)
+    envs = list(all_results)
+    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3.4 * len(envs)), squeeze=False)
     for row, env in zip(axes, envs):
-        changing = all_results[env]["batches"]["changing"]["methods"]
+        batches = all_results[env]["batches"]
+        sizes = [b for b in batches if b != "changing"]
+        if sizes:
+            speed = {m: [batches[b]["methods"][m]["vs_plain"] for b in sizes] for m in batches[sizes[0]]["methods"]
+                     if not m.startswith(("fixed:", "plain"))}
+            speed["oracle (best fixed k)"] = [batches[b]["methods"][batches[b]["oracle"]]["vs_plain"] for b in sizes]
+            for m, ys in speed.items():
+                row[0].plot(range(len(sizes)), ys, marker="o", label=m, lw=2.5 if m.startswith("oracle") else 1.2)
+            row[0].axhline(1.0, color="grey", ls="--", lw=0.8)
+            row[0].set_xticks(range(len(sizes)), [f"B={b}" for b in sizes])
+            row[0].set_ylabel("speed x plain generate()")
+            row[0].set_title(f"{env}: tokens/s over plain")
+            row[0].legend(fontsize=7)
+        changing = batches.get("changing", {}).get("methods", {})
         shown = [m for m in ("nightjar", "adaspec", "dsd", "hf-heuristic") if m in changing]
         for m in shown:
-            steps = changing[m]["k_over_time"]
-            row[0].plot([s[2] for s in steps], label=m, drawstyle="steps-post")
-        row[0].set_title(f"{env}: drafts per step, changing batch")
-        row[0].set_xlabel("step")
-        row[0].legend(fontsize=7)
+            row[1].plot([s[2] for s in changing[m]["k_over_time"]], label=m, drawstyle="steps-post")
         if shown:
-            row[1].plot([s[0] for s in changing[shown[0]]["k_over_time"]], color="grey")
-            row[1].set_title(f"active batch size ({shown[0]} run)")
-        row[1].set_xlabel("step")
+            twin = row[1].twinx()
+            twin.plot([s[0] for s in changing[shown[0]]["k_over_time"]], color="grey", ls=":")
+            twin.set_ylabel(f"active batch size ({shown[0]} run, dotted)")
+            row[1].set_title(f"{env}: drafts per step as the batch shrinks")
+            row[1].set_xlabel("step")
+            row[1].legend(fontsize=7)
+        else:
+            row[1].axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -372,6 +401,9 @@ def main(argv=None):
                         help="how the changing run's output budgets spread from 4 to --max-new-tokens")
     parser.add_argument("--out", default="results/bench_lengths")
     parser.add_argument("--methods", default=None, help="comma-separated subset (default: all; plain is always run)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the batch sizes already in <out>.json and run the others (learning "
+                             "policies start afresh)")
     args = parse_env_args(parser, argv, ENVS)
     args.methods = ["plain"] + [m for m in (args.methods or ",".join(METHODS)).split(",") if m != "plain"]
     if any(m not in METHODS for m in args.methods):
@@ -379,6 +411,8 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     all_results = {}
+    if args.resume and out.with_suffix(".json").exists():
+        all_results = json.loads(out.with_suffix(".json").read_text())["results"]
 
     def save(env, results):      # after every batch size, so a stopped run keeps what it measured
         all_results[env] = results
@@ -387,11 +421,11 @@ def main(argv=None):
         out.with_suffix(".md").write_text(markdown(all_results, args))
 
     for env in args.envs.split(","):
-        run_env(env, args, lambda results: save(env, results))
+        run_env(env, args, lambda results: save(env, results), all_results.get(env))
     plot(all_results, out.with_suffix(".png"))
     print(markdown(all_results, args))
     bad = [(e, b, m) for e, r in all_results.items() for b, x in r["batches"].items()
-           for m, y in {**x["methods"], **x.get("confirm", {})}.items() if not y["identical_to_plain"]]
+           for m, y in {**x["methods"], **x.get("confirm", {})}.items() if y["identity"]["other"]]
     if bad:
         raise SystemExit(f"outputs differ from plain generate(): {bad}")
 
