@@ -11,12 +11,17 @@ Environments (greedy; every output is checked against plain generate()):
            1-layer draft cut from the intermediate (closer to it than to the target)
   smollm2  the embedded SmolLM2-135M-Instruct (fp32 target), its bf16 copy (intermediate) and
            its int8 copy (draft), on HumanEval prompts
-Methods: plain; draft -> target and intermediate -> target at k = 2, 4, 6; the hierarchy at
+  qwen-humaneval, qwen-rag  the real pair: Qwen2.5-Coder-1.5B-Instruct (bf16 target), the 0.5B
+           (intermediate) and prompt lookup (draft, free), on HumanEval problems in the chat prompt
+           or on Spec-Bench's retrieval-augmented questions (long contexts that answers copy from;
+           --questions: its question.jsonl, eval/spec_bench.py)
+Methods: plain; draft -> target and intermediate -> target at k = --two-model-k; the hierarchy at
 (k_d, k_i) = drafts per inner cycle, inner cycles per target step (the target is offered up to
 k_i (k_d + 1) tokens). Reported per method: tokens/s, MAT (tokens per target forward and row),
 acceptance at each level, forwards per model, and per level the cost ratio c = (forward time of
 the cheaper model) / (forward time of the one verifying it), measured on one-token forwards.
-Writes <out>.json and <out>.md.
+Every row is compared with plain generate() (eval/identity.py: identical, first divergence at a
+near-tie of a bf16 target, or other, which fails the run). Writes <out>.json, <out>.md and <out>.png.
 """
 from __future__ import annotations
 
@@ -32,8 +37,11 @@ from tqdm.auto import tqdm
 
 import hf_specdec
 from hf_specdec.testing import build, noisy_copy
-from bench_lengths import new_tokens, parse_env_args  # eval/ is on sys.path when run as a script
-from humaneval_data import load_problems
+from bench_lengths import identity_mark, new_tokens, parse_env_args  # eval/ is on sys.path when run as a script
+from humaneval_data import load_problems, prompt_text
+from identity import compare_rows, counts
+from report import write_results
+from spec_bench import SOURCE as SPEC_BENCH
 
 logger = logging.getLogger("bench_hierarchy")
 TWO_MODEL_K = (2, 4, 6)
@@ -82,7 +90,25 @@ def smollm2_env():
         lambda b: dict(tokenizer(prompts[:b], return_tensors="pt", padding=True))
 
 
-ENVS = {"tiny": lambda: tiny_env(False), "tiny-distilled": lambda: tiny_env(True), "smollm2": smollm2_env}
+def qwen_env(prompts: str, questions=None):
+    from hf_specdec.embedded import load_model
+    if prompts == "rag":
+        from spec_bench import load_questions
+        rows = [q for q in load_questions(questions) if q["domain"] == "rag"][:4]
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
+    intermediate, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    if prompts == "rag":
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": q["text"]}], tokenize=False,
+                                               add_generation_prompt=True) for q in rows]
+    else:
+        texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=4)]
+    return model, intermediate, hf_specdec.PromptLookupDrafter, \
+        lambda b: dict(tokenizer(texts[:b], return_tensors="pt", padding=True, add_special_tokens=False))
+
+
+ENVS = {"tiny": lambda args: tiny_env(False), "tiny-distilled": lambda args: tiny_env(True),
+        "smollm2": lambda args: smollm2_env(),
+        "qwen-humaneval": lambda args: qwen_env("humaneval"), "qwen-rag": lambda args: qwen_env("rag", args.questions)}
 
 
 def forward_seconds(model, batch: int, repeats: int = 5) -> float:
@@ -103,29 +129,33 @@ def forward_seconds(model, batch: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def methods(intermediate, draft) -> dict:
-    """name -> (make drafter, outer k); drafters are made fresh per run (their stats are per call)."""
+def methods(intermediate, draft, two_model_k, hierarchy) -> dict:
+    """name -> (make drafter, outer k); drafters are made fresh per run (their stats are per call).
+    draft: a causal LM, or a Drafter class (e.g. PromptLookupDrafter) made with no arguments."""
+    make_draft = draft if isinstance(draft, type) else (lambda: hf_specdec.ModelDrafter(draft, name="draft"))
     out = {"plain": (None, 0)}
-    for k in TWO_MODEL_K:
-        out[f"draft->target k={k}"] = (lambda: hf_specdec.ModelDrafter(draft, name="draft"), k)
+    for k in two_model_k:
+        out[f"draft->target k={k}"] = (make_draft, k)
         out[f"inter->target k={k}"] = (lambda: hf_specdec.ModelDrafter(intermediate, name="inter"), k)
-    for kd, ki in HIERARCHY:
+    for kd, ki in hierarchy:
         out[f"hierarchy kd={kd} ki={ki}"] = (
-            lambda kd=kd, ki=ki: hf_specdec.HierarchicalDrafter(hf_specdec.ModelDrafter(draft, name="draft"),
-                                                                 hf_specdec.ModelDrafter(intermediate, name="inter"),
+            lambda kd=kd, ki=ki: hf_specdec.HierarchicalDrafter(make_draft(), hf_specdec.ModelDrafter(intermediate, name="inter"),
                                                                  draft_len=kd, cycles=ki), ki * (kd + 1))
     return out
 
 
 def run_env(name, args) -> dict:
-    target, intermediate, draft, make_inputs = ENVS[name]()
+    target, intermediate, draft, make_inputs = ENVS[name](args)
     hf_specdec.enable(target)
+    eos = target.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
     results = {}
     for batch in args.batch_sizes:
         inputs = make_inputs(batch)
-        seconds = {m: forward_seconds(m_model, batch) for m, m_model in
-                   (("target", target), ("inter", intermediate), ("draft", draft))}
-        table = methods(intermediate, draft)
+        models = (("target", target), ("inter", intermediate)) + (() if isinstance(draft, type) else (("draft", draft),))
+        seconds = {m: forward_seconds(m_model, batch) for m, m_model in models}
+        seconds.setdefault("draft", 0.0)      # a lookup drafter: no forward
+        table = methods(intermediate, draft, args.two_model_k, args.hierarchy)
         times, outs, drafters = {m: [] for m in table}, {}, {}
         target.generate(**inputs, max_new_tokens=2, do_sample=False)                       # warm-up
         for _ in tqdm(range(args.repeats), desc=f"{name} batch={batch}", leave=False):
@@ -138,14 +168,15 @@ def run_env(name, args) -> dict:
                 outs[m] = target.generate(**kwargs)
                 times[m].append(time.perf_counter() - start)
         plain = outs["plain"].sequences
-        eos = target.generation_config.eos_token_id
-        tokens = new_tokens(outs["plain"], inputs["input_ids"].shape[1], eos[0] if isinstance(eos, list) else eos)
+        tokens = new_tokens(outs["plain"], inputs["input_ids"].shape[1], eos)
         rows = {}
         for m, out in outs.items():
             stats = getattr(out, "spec_stats", None)
             d = drafters.get(m)
             row = {"tokens_per_s": round(tokens / statistics.median(times[m]), 2),
-                   "identical_to_plain": bool(torch.equal(out.sequences, plain)),
+                   "seconds": [round(t, 3) for t in times[m]],
+                   "identity": counts(compare_rows(target, inputs["input_ids"], inputs.get("attention_mask"), plain,
+                                                   out.sequences, eos)),
                    "mat": round(stats.mean_accepted_tokens, 3) if stats else 1.0}
             if stats:
                 proposed = sum(sum(s.proposed) for s in stats.steps)
@@ -170,7 +201,8 @@ def run_env(name, args) -> dict:
 def markdown(all_results: dict, args) -> str:
     lines = [f"# Hierarchy vs two models: greedy, {args.max_new_tokens} new tokens, median of {args.repeats} runs", "",
              "Cost ratio: one-token forward time of the cheaper model / the model verifying it. "
-             "Accept: accepted / proposed drafts at that level. MAT: tokens per target forward and row.", ""]
+             "Accept: accepted / proposed drafts at that level. MAT: tokens per target forward and row. "
+             "~n: n rows first differ from plain at a near-tie of the target's dtype; ≠n: n rows differ otherwise.", ""]
     for env, res in all_results.items():
         for batch, r in res.items():
             c = r["cost_ratio"]
@@ -180,12 +212,32 @@ def markdown(all_results: dict, args) -> str:
                       "| method | tokens/s | x plain | MAT | accept (-> target) | accept (draft -> inter) | forwards |",
                       "|---|---:|---:|---:|---:|---:|---|"]
             for m, x in r["methods"].items():
-                mark = "" if x["identical_to_plain"] else " ≠"
+                mark = identity_mark(x["identity"])
                 lines.append(f"| {m} | {x['tokens_per_s']:.1f}{mark} | {x['vs_plain']:.2f} | {x['mat']:.2f} | "
                              f"{x.get('accept_outer', '')} | {x.get('accept_inner', '')} | "
                              f"{', '.join(f'{k} {v}' for k, v in x.get('forwards', {}).items())} |")
             lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def plot(all_results: dict, path: Path) -> None:
+    """Speed x plain of the best two-model setup and the best hierarchy, per environment and batch size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = [(env, b, r["methods"]) for env, res in all_results.items() for b, r in res.items()]
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(cells)), 3.6))
+    for offset, (label, prefix) in enumerate((("best draft -> target", "draft->"), ("best inter -> target", "inter->"),
+                                              ("best hierarchy", "hierarchy"))):
+        ys = [max((x["vs_plain"] for m, x in rows.items() if m.startswith(prefix)), default=0) for _, _, rows in cells]
+        ax.bar([i + 0.27 * (offset - 1) for i in range(len(cells))], ys, width=0.27, label=label)
+    ax.axhline(1.0, color="grey", ls="--", lw=0.8)
+    ax.set_xticks(range(len(cells)), [f"{env}\nB={b}" for env, b, _ in cells], fontsize=8)
+    ax.set_ylabel("speed x plain generate()")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -194,22 +246,28 @@ def main(argv=None):
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--two-model-k", default="2,4,6", help="k of the two-model setups")
+    parser.add_argument("--hierarchy", default="2x2,3x2,4x1,2x3", help="k_d x k_i of the hierarchies")
+    parser.add_argument("--questions", default=None, help="Spec-Bench's question.jsonl (qwen-rag)")
     parser.add_argument("--out", default="results/bench_hierarchy")
     parser.add_argument("--update", action="store_true",
                         help="keep the (env, batch) results already in <out>.json that this run does not redo")
     args = parse_env_args(parser, argv, ENVS)
+    args.two_model_k = [int(k) for k in args.two_model_k.split(",")]
+    args.hierarchy = [tuple(int(x) for x in h.split("x")) for h in args.hierarchy.split(",")]
+    if "qwen-rag" in args.envs.split(",") and args.questions is None:
+        parser.error(f"--envs qwen-rag needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
     out = Path(args.out)
     all_results = {}
     if args.update and out.with_suffix(".json").exists():
         all_results = json.loads(out.with_suffix(".json").read_text())["results"]
     for env in args.envs.split(","):
         all_results.setdefault(env, {}).update(run_env(env, args))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": all_results}, indent=1))
-    out.with_suffix(".md").write_text(markdown(all_results, args))
-    print(markdown(all_results, args))
+        md = write_results(out.parent, out.name, {"args": vars(args), "results": all_results},
+                           markdown(all_results, args), lambda path: plot(all_results, path))
+    print(md.read_text())
     bad = [(e, b, m) for e, r in all_results.items() for b, x in r.items()
-           for m, y in x["methods"].items() if not y["identical_to_plain"]]
+           for m, y in x["methods"].items() if y["identity"]["other"]]
     if bad:
         raise SystemExit(f"outputs differ from plain generate(): {bad}")
 

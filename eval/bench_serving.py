@@ -1,22 +1,25 @@
-"""Spec policies under a changing request rate on the real embedded model, and the simulator checked
-against it.
+"""Spec policies under a changing request rate on a real model, and the simulator checked against it.
 
-    python eval/bench_serving.py --out results/serving_smollm2
+    python eval/bench_serving.py --env qwen-coder --phases 20:0.05,20:0.6,20:0.05 \
+        --out docs/results/bench_serving/qwen-coder
 
-Continuous batching (`hf_specdec.serving.Engine`) of SmolLM2-135M-Instruct with prompt-lookup
-drafts, on a phased Poisson stream (low / high / low rate) of HumanEval prompts whose output
-lengths are drawn per request (EOS ignored, as in trace replays). Policies: plain (k = 0), fixed
+Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-Instruct with
+prompt-lookup drafts on raw HumanEval prompts; --env qwen-coder: the real pair,
+Qwen2.5-Coder-1.5B-Instruct (bf16) with the 0.5B as drafter, on HumanEval problems in the chat
+prompt. A phased Poisson stream (low / high / low rate) whose output lengths are drawn per request
+(EOS ignored, as in trace replays). Policies: plain (k = 0), fixed
 k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator replays the
 same requests with latency models measured here (decode steps; prompt prefills apart) and, per
 policy, what the engine measured of its drafts: acceptance rate, how often a row found any
-(lookup matches), and seconds per draft token; simulated / measured throughput shows how far
-the simulator can be trusted.
+(lookup matches), and seconds per draft token (a model drafter: its profiled latency model);
+simulated / measured throughput shows how far the simulator can be trusted. Each request's
+output is compared with the plain engine's (eval/identity.py: identical, first divergence at a
+near-tie of a bf16 target, or other, which fails the run).
 Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -29,7 +32,9 @@ from hf_specdec.costmodel import CostProfile, LatencyModel, profile, profile_pre
 from hf_specdec.serving import Engine, Request, Simulator, phased
 
 sys.path.insert(0, str(Path(__file__).parent))
-from humaneval_data import load_problems  # noqa: E402
+from humaneval_data import load_problems, prompt_text  # noqa: E402
+from identity import compare_rows, counts  # noqa: E402
+from report import write_results  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 
@@ -67,13 +72,23 @@ def main(argv=None):
     parser.add_argument("--max-len", type=int, default=4)
     parser.add_argument("--slo-tpot", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env", choices=("smollm2", "qwen-coder"), default="smollm2")
     parser.add_argument("--out", default="results/serving_smollm2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from hf_specdec.embedded import load_smollm2
-    model, tokenizer = load_smollm2()
-    problems = [tokenizer(p["prompt"])["input_ids"] for p in load_problems()]
+    if args.env == "qwen-coder":
+        from hf_specdec.embedded import load_model
+        model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
+        draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+        make_drafter = lambda: hf_specdec.ModelDrafter(draft, name="qwen-0.5b")  # noqa: E731
+        problems = [tokenizer(prompt_text(p, tokenizer, "chat"), add_special_tokens=False)["input_ids"]
+                    for p in load_problems(limit=32)]
+    else:
+        from hf_specdec.embedded import load_smollm2
+        model, tokenizer = load_smollm2()
+        draft, make_drafter = None, hf_specdec.PromptLookupDrafter
+        problems = [tokenizer(p["prompt"])["input_ids"] for p in load_problems()]
     phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
     lo, hi = (int(x) for x in args.output_len.split(","))
     stream = phased(phases, prompt_len=1, output_len=(lo, hi), seed=args.seed)
@@ -82,29 +97,40 @@ def main(argv=None):
     longest = max(len(p) for p in prompts)
     logger.info("%d requests, prompts of %d..%d tokens", len(requests), min(map(len, prompts)), longest)
 
-    prof = lookup_profile(model, [b for b in (1, 2, 4, 8, 16) if b <= args.max_batch], 128)
+    sizes = [b for b in (1, 2, 4, 8, 16) if b <= args.max_batch]
+    prof = lookup_profile(model, sizes, 128) if draft is None else \
+        profile(model, draft, sizes, (1, 3, 5), (longest, 2 * longest), (1, 4), repeats=2)
     prefill = profile_prefill(model, lengths=sorted({16, longest // 4, longest // 2, longest}))
     methods = {"plain": lambda: hf_specdec.FixedLength(0)}
     methods.update({f"fixed:{k}": (lambda k=int(k): hf_specdec.FixedLength(k)) for k in args.fixed.split(",")})
     methods.update({"nightjar": lambda: hf_specdec.Nightjar(max_len=args.max_len, switch_cost=prof),
                     "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=args.max_len)})
-    engine_warmup = Engine(model, [hf_specdec.PromptLookupDrafter()], hf_specdec.FixedLength(2),
+    engine_warmup = Engine(model, [make_drafter()], hf_specdec.FixedLength(2),
                            max_batch=args.max_batch, max_prompt_len=longest)
     engine_warmup.run(requests[:2], prompts[:2])
 
     results = {}
     for name, make in methods.items():
-        engine = Engine(model, [hf_specdec.PromptLookupDrafter()], make(), max_batch=args.max_batch,
+        engine = Engine(model, [make_drafter()], make(), max_batch=args.max_batch,
                         max_prompt_len=longest)
         with torch.inference_mode():
             run = engine.run(requests, prompts)
         alpha = measured_acceptance(engine.stats)
         proposal_rate, draft_per_token = measured_lookup(engine.stats)
-        calibrated = CostProfile(prof.target, LatencyModel(0.0, draft_per_token, 0.0), prof.switch, prof.meta)
+        if draft is None:   # lookup: drafts cost what was measured, and are certain when found
+            calibrated, confidence = CostProfile(prof.target, LatencyModel(0.0, draft_per_token, 0.0), prof.switch,
+                                                 prof.meta), 1.0
+        else:
+            calibrated, confidence = prof, None
         sim = Simulator(calibrated, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
-                        prefill=prefill, proposal_rate=proposal_rate, confidence=1.0).run(requests)   # lookup: certain
+                        prefill=prefill, proposal_rate=proposal_rate, confidence=confidence).run(requests)
+        if name == "plain":
+            plain_outputs = run.outputs
+        verdicts = [compare_rows(model, torch.tensor([p]), None, torch.tensor([p + plain_outputs[r.id]]),
+                                 torch.tensor([p + run.outputs[r.id]]))[0] for r, p in zip(requests, prompts)]
         real, simulated = run.summary(args.slo_tpot), sim.summary(args.slo_tpot)
-        results[name] = {"engine": real, "simulator": simulated, "acceptance": round(alpha, 3),
+        results[name] = {"engine": real, "simulator": simulated, "identity": counts(verdicts),
+                         "acceptance": round(alpha, 3),
                          "proposal_rate": round(proposal_rate, 3), "draft_s_per_token": draft_per_token,
                          "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
                          "steps": [(round(s.time, 3), s.batch_size, s.k) for s in run.steps]}
@@ -112,15 +138,15 @@ def main(argv=None):
                     real["tokens_per_s"], simulated["tokens_per_s"], alpha, real["mean_k"])
     by_batch = {name: k_by_batch(r["steps"]) for name, r in results.items()}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"args": vars(args), "requests": len(requests), "profile": {"target": vars(prof.target),
                                                                           "prefill": vars(prefill)},
                "results": results, "mean_k_by_batch": by_batch}
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    table = markdown(results, by_batch, args, len(requests))
-    out.with_suffix(".md").write_text(table)
-    plot(results, phases, out.with_suffix(".png"))
-    print(table)
+    md = write_results(out.parent, out.name, payload, markdown(results, by_batch, args, len(requests)),
+                       lambda path: plot(results, phases, path))
+    print(md.read_text())
+    bad = [name for name, r in results.items() if r["identity"]["other"]]
+    if bad:
+        raise SystemExit(f"outputs differ from the plain engine's: {bad}")
 
 
 def k_by_batch(steps) -> dict[int, float]:
@@ -131,17 +157,20 @@ def k_by_batch(steps) -> dict[int, float]:
 
 
 def markdown(results, by_batch, args, n) -> str:
-    lines = [f"# Serving on the embedded model: phased stream {args.phases} ({n} requests), max batch "
-             f"{args.max_batch}, prompt lookup drafts\n",
+    setup = ("Qwen2.5-Coder-1.5B-Instruct bf16, 0.5B drafts" if args.env == "qwen-coder"
+             else "SmolLM2-135M-Instruct, prompt lookup drafts")
+    lines = [f"# Serving, {setup}: phased stream {args.phases} ({n} requests), max batch {args.max_batch}\n",
+             "identity: requests identical to the plain engine's output / first differing at a near-tie of the "
+             "target's dtype / otherwise.\n",
              f"| policy | tokens/s | mean / p90 latency s | mean TPOT ms | SLO {args.slo_tpot * 1000:.0f} ms | "
-             "mean k | acceptance | rows drafting | simulated tokens/s | sim / real |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "mean k | acceptance | rows drafting | simulated tokens/s | sim / real | identity |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         e = r["engine"]
         lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['mean_latency_s']:.1f} / {e['p90_latency_s']:.1f} | "
                      f"{e['mean_tpot_s'] * 1000:.0f} | {e['slo_attainment']:.2f} | {e['mean_k']:.2f} | "
                      f"{r['acceptance']:.2f} | {r['proposal_rate']:.2f} | {r['simulator']['tokens_per_s']:.1f} | "
-                     f"{r['sim_over_real']:.2f} |")
+                     f"{r['sim_over_real']:.2f} | {'/'.join(str(v) for v in r['identity'].values())} |")
     lines += ["", "Mean k by running batch size:", ""]
     sizes = sorted({b for d in by_batch.values() for b in d})
     lines += ["| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
@@ -173,6 +202,7 @@ def plot(results, phases, path: Path) -> None:
     axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,32 @@
-"""Drafter selection study: single drafters, HedgeSpec (each learner, cost-aware, skipped feedback)
-and the bandit baselines UCBSpec / EXP3Spec, per domain and on the mixed stream.
+"""Drafter selection study: single drafters, HedgeSpec and the bandit baselines UCBSpec / EXP3Spec,
+per domain and on the mixed stream of all prompts (each request has its own learner: selection is per
+request). Greedy, batch 1, methods interleaved per prompt after one warm-up generation. Every output
+is compared with plain generate() (eval/identity.py: identical, first divergence at a near-tie of a
+bf16 target, or other, which fails the run).
 
-    python eval/drafter_selection.py --per-domain 2 --max-new-tokens 48 --out results/drafter_selection
+    python eval/drafter_selection.py --env qwen-coder --questions question.jsonl --per-domain 1 \
+        --max-new-tokens 48 --out docs/results/drafter_selection/qwen-coder
 
-Target: the embedded SmolLM2-135M-Instruct (fp32), greedy. Prompts: eval/data/drafter_prompts.jsonl
-(code, prose, qa, summarisation; provenance in each row). Drafter pool (N = 5):
+--env qwen-coder: the real pair's target, Qwen2.5-Coder-1.5B-Instruct (bf16), on Spec-Bench's
+questions (--questions: its question.jsonl, eval/spec_bench.py says where to get it; --per-domain of
+each of its 13 categories), with the pool (N = 4):
+  qwen-0.5b       Qwen2.5-Coder-0.5B-Instruct (bf16)
+  qwen-0.5b-int8  its int8 dynamic-quantised copy
+  pld             prompt lookup
+  code-ds         DatastoreDrafter over Python standard-library sources
+--env smollm2: the embedded SmolLM2-135M-Instruct (fp32) on eval/data/drafter_prompts.jsonl (code,
+prose, qa, summarisation; provenance in each row), with the pool (N = 5):
   bf16, int8      copies of the target (hf_specdec.self_draft)
   pld             prompt lookup
   code-ds         DatastoreDrafter over Python standard-library sources (minus the summarised modules)
   prose-ds        DatastoreDrafter over the Python reference documentation (pydoc_data.topics,
                   minus the topics used as prompts)
-Pools by size: N=2 [int8, pld], N=4 [int8, pld, code-ds, prose-ds] (specialists), N=5 all,
-N=8 all + weak drafters (2- and 4-layer truncated copies, a datastore over the Python license text).
-Each request has its own learner (selection is per request). The mixed stream is every prompt of
-every domain in one stream. Every output is checked token-identical to plain generate().
-Methods run interleaved per prompt, after one warm-up generation.
+  Pools by size: N=2 [int8, pld], N=4 [int8, pld, code-ds, prose-ds] (specialists), N=5 all,
+  N=8 all + weak drafters (2- and 4-layer truncated copies, a datastore over the Python license
+  text); HedgeSpec's learner and feedback ablations on N=5.
 
 Writes <out>.json, <out>.md (tables) and <out>.png (extra target forwards vs the best single
-drafter, per domain, at N=8 and N=5).
+drafter, per domain).
 """
 from __future__ import annotations
 
@@ -35,6 +44,9 @@ import torch
 from tqdm.auto import tqdm
 
 import hf_specdec
+from identity import compare_rows, counts   # eval/ is on sys.path when run as a script
+from report import write_results
+from spec_bench import SOURCE as SPEC_BENCH
 
 logger = logging.getLogger("drafter_selection")
 HERE = Path(__file__).resolve().parent
@@ -43,6 +55,18 @@ DOMAINS = ("code", "prose", "qa", "summarisation")
 BASE = ("bf16", "int8", "pld", "code-ds", "prose-ds")
 POOLS = {2: ["int8", "pld"], 4: ["int8", "pld", "code-ds", "prose-ds"], 5: list(BASE),
          8: list(BASE) + ["layers-2", "layers-4", "license-ds"]}
+QWEN_POOL = ["qwen-0.5b", "qwen-0.5b-int8", "pld", "code-ds"]
+
+
+@dataclass
+class Env:
+    title: str                       # the markdown heading's description of target and prompts
+    model: object
+    tokenizer: object
+    prompts: list[dict]              # {"id", "domain", "text", "style": "chat" | "plain"}
+    drafters: dict                   # name -> Drafter
+    pools: dict                      # N -> drafter names; pools[main] are also run one at a time
+    main: int
 
 
 @dataclass
@@ -58,16 +82,18 @@ class Method:
         return hf_specdec.SpecPolicy(self.instance, hf_specdec.FixedLength(k))
 
 
-def methods_for(pools: list[int]) -> list[Method]:
+def methods_for(pools: dict, main: int, ablations: bool) -> list[Method]:
+    """plain, each drafter of pools[main] alone, then per pool HedgeSpec, UCB and EXP3; `ablations`:
+    HedgeSpec's cold start, other learners, cost-aware and skipped feedback too."""
     out = [Method("plain", None)]
-    for i, name in enumerate(BASE):
-        out.append(Method(f"single:{name}", 5, lambda i=i: hf_specdec.FixedDrafter(i)))
+    for i, name in enumerate(pools[main]):
+        out.append(Method(f"single:{name}", main, lambda i=i: hf_specdec.FixedDrafter(i)))
     for n in pools:
-        tag = "" if n == 5 else f"@N{n}"
+        tag = "" if n == main else f"@N{n}"
         out.append(Method(f"hedgespec{tag}", n, lambda: hf_specdec.HedgeSpec(seed=0)))
-        if n in (5, 8):   # without our prompt warm start: the paper's cold start
+        if ablations and n in (5, 8):   # without our prompt warm start: the paper's cold start
             out.append(Method(f"hedgespec-cold{tag}", n, lambda: hf_specdec.HedgeSpec(prompt_positions=0, seed=0)))
-        if n == 5:
+        if ablations and n == 5:
             out += [Method("hedgespec-hedge", 5, lambda: hf_specdec.HedgeSpec(learner="hedge", seed=0)),
                     Method("hedgespec-adanormalhedge", 5, lambda: hf_specdec.HedgeSpec(learner="adanormalhedge", seed=0)),
                     Method("hedgespec-cost", 5, lambda: hf_specdec.HedgeSpec(cost_aware=True, seed=0)),
@@ -91,13 +117,54 @@ def truncated_copy(model, layers: int) -> hf_specdec.ModelDrafter:
     return hf_specdec.ModelDrafter(draft, name=f"layers-{layers}")
 
 
+def stdlib_sources(exclude=()) -> list[Path]:
+    return sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.stem not in exclude)
+
+
+def log_datastores(drafters: dict) -> None:
+    for name, d in drafters.items():
+        if isinstance(d, hf_specdec.DatastoreDrafter):
+            logger.info("%s: %d tokens", name, len(d.corpus))
+
+
+def smollm2_env(args) -> Env:
+    from hf_specdec.embedded import load_smollm2
+    if not 1 <= args.per_domain <= 8:
+        raise ValueError(f"--per-domain must be in 1..8 for --env smollm2, got {args.per_domain}")
+    pools = [int(x) for x in args.pools.split(",")]
+    if not set(pools) <= set(POOLS) or 5 not in pools:
+        raise ValueError(f"--pools must be a subset of {sorted(POOLS)} that includes 5, got {args.pools!r}")
+    model, tokenizer = load_smollm2()
+    prompts = load_prompts(args.per_domain)
+    return Env(title="SmolLM2-135M fp32", model=model, tokenizer=tokenizer, prompts=prompts,
+               drafters=build_drafters(model, tokenizer, prompts, args.max_datastore_tokens),
+               pools={n: POOLS[n] for n in pools}, main=5)
+
+
+def qwen_coder_env(args) -> Env:
+    from spec_bench import load_questions
+    from hf_specdec.embedded import load_model
+    prompts = load_questions(args.questions, args.per_domain)   # checked before the slow loading
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    drafters = {"qwen-0.5b": hf_specdec.ModelDrafter(draft, name="qwen-0.5b"),
+                "qwen-0.5b-int8": hf_specdec.self_draft(draft, "int8"),
+                "pld": hf_specdec.PromptLookupDrafter(),
+                "code-ds": hf_specdec.DatastoreDrafter.from_files(stdlib_sources(), tokenizer,
+                                                                   max_tokens=args.max_datastore_tokens, name="code-ds")}
+    drafters["qwen-0.5b-int8"].name = "qwen-0.5b-int8"
+    log_datastores(drafters)
+    return Env(title="Qwen2.5-Coder-1.5B-Instruct bf16, Spec-Bench questions", model=model, tokenizer=tokenizer,
+               prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
+
+
 def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: int) -> dict:
     from pydoc_data.topics import topics
     all_rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     held_topics = {r.get("topic") for r in all_rows}
     held_modules = {r.get("module") for r in all_rows}
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    sources = sorted(p for p in stdlib.glob("*.py") if p.stem not in held_modules)
+    sources = stdlib_sources(exclude=held_modules)
     license_text = next((p for p in (stdlib / "LICENSE.txt", Path(sys.prefix) / "LICENSE.txt") if p.is_file()), None)
     drafters = {
         "bf16": hf_specdec.self_draft(model, "bf16"),
@@ -112,9 +179,7 @@ def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: 
     }
     drafters["license-ds"] = (hf_specdec.DatastoreDrafter.from_files([license_text], tokenizer, name="license-ds")
                               if license_text else truncated_copy(model, 1))
-    for name, d in drafters.items():
-        if isinstance(d, hf_specdec.DatastoreDrafter):
-            logger.info("%s: %d tokens", name, len(d.corpus))
+    log_datastores(drafters)
     return drafters
 
 
@@ -126,13 +191,13 @@ def encode(prompt: dict, tokenizer) -> dict:
     return dict(tokenizer(prompt["text"], return_tensors="pt"))
 
 
-def run_one(model, inputs, method: Method, drafters: dict, args) -> dict:
+def run_one(env: Env, inputs, method: Method, args) -> dict:
     kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
     if method.pool is not None:
-        pool = [drafters[name] for name in POOLS[method.pool]]
+        pool = [env.drafters[name] for name in env.pools[method.pool]]
         kwargs.update(assistant_models=pool, spec_policy=method.policy(args.k))
     start = time.perf_counter()
-    out = model.generate(**kwargs)
+    out = env.model.generate(**kwargs)
     seconds = time.perf_counter() - start
     new = out.sequences[0, inputs["input_ids"].shape[1]:]
     rec = {"tokens": len(new), "seconds": seconds, "sequence": new.tolist()}
@@ -181,7 +246,8 @@ def extra_forwards_curve(records: list[dict], best: list[dict]) -> list[int]:
 
 
 def summarize(runs: dict, prompts: list[dict], methods: list[Method]) -> dict:
-    groups = {d: [i for i, p in enumerate(prompts) if p["domain"] == d] for d in DOMAINS}
+    domains = dict.fromkeys(p["domain"] for p in prompts)
+    groups = {d: [i for i, p in enumerate(prompts) if p["domain"] == d] for d in domains}
     groups["mixed"] = list(range(len(prompts)))
     table = {}
     for group, idx in groups.items():
@@ -209,9 +275,13 @@ def summarize(runs: dict, prompts: list[dict], methods: list[Method]) -> dict:
     return {"groups": table, "targets": targets}
 
 
-def markdown(summary: dict, args) -> str:
-    lines = [f"# Drafter selection: SmolLM2-135M fp32, greedy, k={args.k}, {args.max_new_tokens} new tokens, "
-             f"{args.per_domain} prompt(s) per domain", ""]
+def markdown(summary: dict, args, title: str) -> str:
+    identity = summary["identity"]
+    lines = [f"# Drafter selection: {title}, greedy, k={args.k}, {args.max_new_tokens} new tokens, "
+             f"{args.per_domain} prompt(s) per domain", "",
+             f"Outputs against plain generate(), all methods and prompts: {identity['identical']} identical, "
+             f"{identity['near_tie']} first differing at a near-tie of the target's dtype, {identity['other']} "
+             "otherwise (eval/identity.py).", ""]
     for group, entry in summary["groups"].items():
         lines += [f"## {group} (best single drafter by MAT: {entry['best_single']})", "",
                   "| method | MAT | tok/s | vs plain | target fwd | scoring share | drafter row-steps |",
@@ -231,21 +301,25 @@ def plot(runs: dict, prompts: list[dict], methods: list[Method], summary: dict, 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    groups = [g for g in (*DOMAINS, "mixed") if g in summary["groups"]]
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
-    for ax, group in zip(axes[0], groups):
+    groups = list(summary["groups"])
+    cols = min(len(groups), 5)
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.axis("off")
+    for ax, group in zip(axes.flat, groups):
         idx = [i for i, p in enumerate(prompts) if group == "mixed" or p["domain"] == group]
         best = summary["groups"][group]["best_single"]
         for m in methods:
-            if m.name in ("hedgespec", "hedgespec-cold", "ucb", "exp3", "hedgespec@N8", "hedgespec-cold@N8",
-                          "ucb@N8", "exp3@N8"):
+            if m.name.removesuffix("@N8") in ("hedgespec", "hedgespec-cold", "ucb", "exp3"):
                 curve = extra_forwards_curve([runs[m.name][i] for i in idx], [runs[best][i] for i in idx])
                 ax.plot(range(1, len(curve) + 1), curve, label=m.name, linestyle="-" if "@N8" in m.name else "--")
         ax.set_title(f"{group} (vs {best})")
         ax.set_xlabel("tokens generated (per prompt)")
         ax.axhline(0, color="grey", linewidth=0.5)
-    axes[0][0].set_ylabel("extra target forwards (summed)")
-    axes[0][-1].legend(fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("extra target forwards (summed)")
+    axes.flat[len(groups) - 1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -298,15 +372,23 @@ def cost_markdown(case: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+ENVS = {"qwen-coder": qwen_coder_env, "smollm2": smollm2_env}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--per-domain", type=int, default=2, help="prompts per domain (<= 8)")
+    parser.add_argument("--env", choices=sorted(ENVS), default="smollm2")
+    parser.add_argument("--questions", default=None,
+                        help="Spec-Bench's question.jsonl (--env qwen-coder; see eval/spec_bench.py)")
+    parser.add_argument("--per-domain", type=int, default=2, help="prompts per domain (smollm2: <= 8)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=4, help="draft length for every method")
-    parser.add_argument("--pools", default="2,4,5,8", help="pool sizes N to run HedgeSpec/UCB/EXP3 on")
+    parser.add_argument("--pools", default="2,4,5,8", help="smollm2: pool sizes N to run HedgeSpec/UCB/EXP3 on")
     parser.add_argument("--methods", default=None, help="comma-separated subset of method names")
     parser.add_argument("--max-datastore-tokens", type=int, default=1_000_000)
     parser.add_argument("--out", default="results/drafter_selection")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the prompts already finished in <out>.partial.json")
     parser.add_argument("--only-cost-case", action="store_true",
                         help="run only the cost-aware case on tiny models (seconds) and write <out>-cost.{json,md}")
     args = parser.parse_args(argv)
@@ -318,42 +400,49 @@ def main(argv=None) -> dict:
         Path(f"{out}-cost.md").write_text(cost_markdown(case))
         print(cost_markdown(case))
         return case
-    pools = [int(x) for x in args.pools.split(",")]
-    if not set(pools) <= set(POOLS) or 5 not in pools:
-        raise ValueError(f"--pools must be a subset of {sorted(POOLS)} that includes 5, got {args.pools!r}")
-    if not 1 <= args.per_domain <= 8:
-        raise ValueError(f"--per-domain must be in 1..8, got {args.per_domain}")
-    methods = methods_for(pools)
+    if args.env == "qwen-coder" and args.questions is None:
+        parser.error(f"--env qwen-coder needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
+
+    env = ENVS[args.env](args)
+    methods = methods_for(env.pools, env.main, ablations=args.env == "smollm2")
     if args.methods:
-        wanted = set(args.methods.split(",")) | {"plain"} | {f"single:{b}" for b in BASE} | {"hedgespec"}
+        wanted = set(args.methods.split(",")) | {"plain", "hedgespec"} | {f"single:{b}" for b in env.pools[env.main]}
         methods = [m for m in methods if m.name in wanted]
-
-    from hf_specdec.embedded import load_smollm2
-    model, tokenizer = load_smollm2()
+    model, tokenizer = env.model, env.tokenizer
     hf_specdec.enable(model)
-    prompts = load_prompts(args.per_domain)
-    drafters = build_drafters(model, tokenizer, prompts, args.max_datastore_tokens)
-    encoded = [encode(p, tokenizer) for p in prompts]
-    run_one(model, encoded[0], methods[-1], drafters, argparse.Namespace(max_new_tokens=8, k=args.k))  # warm-up
+    eos = model.generation_config.eos_token_id
+    encoded = [encode(p, tokenizer) for p in env.prompts]
+    run_one(env, encoded[0], methods[-1], argparse.Namespace(max_new_tokens=8, k=args.k))  # warm-up
 
-    runs = {m.name: [] for m in methods}
-    mismatches = []
+    partial = Path(f"{out}.partial.json")
+    runs, verdicts = {m.name: [] for m in methods}, []
+    if args.resume and partial.exists():
+        saved = json.loads(partial.read_text())
+        runs, verdicts = saved["runs"], saved["verdicts"]
+        logger.info("resuming after %d finished prompts", len(runs["plain"]))
     for i, inputs in enumerate(tqdm(encoded, desc="prompts")):
+        if i < len(runs["plain"]):
+            continue
         for m in methods:
-            rec = run_one(model, inputs, m, drafters, args)
-            if m.name != "plain" and rec["sequence"] != runs["plain"][i]["sequence"]:
-                mismatches.append((m.name, prompts[i]["id"]))
+            rec = run_one(env, inputs, m, args)
             runs[m.name].append(rec)
-    if mismatches:
-        raise AssertionError(f"outputs differ from plain generate(): {mismatches}")
-    summary = summarize(runs, prompts, methods)
-    summary.update(args=vars(args), prompts=[p["id"] for p in prompts], identical_to_plain=True)
-    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "runs": {
-        name: [{k: v for k, v in r.items() if k != "sequence"} for r in recs] for name, recs in runs.items()}}, indent=1))
-    out.with_suffix(".md").write_text(markdown(summary, args))
-    plot(runs, prompts, methods, summary, out.with_suffix(".png"))
+            if m.name != "plain":
+                plain_row, spec_row = (torch.cat([inputs["input_ids"][0], torch.tensor(r["sequence"])])[None]
+                                       for r in (runs["plain"][i], rec))
+                (v,) = compare_rows(model, inputs["input_ids"], None, plain_row, spec_row, eos)
+                verdicts.append({"method": m.name, "prompt": env.prompts[i]["id"], **v})
+        partial.write_text(json.dumps({"runs": runs, "verdicts": verdicts}))
+    summary = summarize(runs, env.prompts, methods)
+    summary.update(args=vars(args), prompts=[p["id"] for p in env.prompts], identity=counts(verdicts))
+    payload = {"summary": summary, "divergences": [v for v in verdicts if v["verdict"] != "identical"], "runs": {
+        name: [{k: v for k, v in r.items() if k != "sequence"} for r in recs] for name, recs in runs.items()}}
+    md = write_results(out.parent, out.name, payload, markdown(summary, args, env.title),
+                       lambda path: plot(runs, env.prompts, methods, summary, path))
+    partial.unlink()
     logger.info("wrote %s.{json,md,png}", out)
-    print(markdown(summary, args))
+    print(md.read_text())
+    if summary["identity"]["other"]:
+        raise SystemExit(f"outputs differ from plain generate(): {payload['divergences']}")
     return summary
 
 
