@@ -11,9 +11,11 @@ bf16 target, or other, which fails the run).
 questions (--questions: its question.jsonl, eval/spec_bench.py says where to get it; --per-domain of
 each of its 13 categories), with the pool (N = 4):
   qwen-0.5b       Qwen2.5-Coder-0.5B-Instruct (bf16)
-  qwen-0.5b-int8  its int8 dynamic-quantised copy
   pld             prompt lookup
   code-ds         DatastoreDrafter over Python standard-library sources
+  prose-ds        DatastoreDrafter over the Python reference documentation (pydoc_data.topics)
+  (No int8 copy: the GGUF checkpoint's layers stay packed, so torch's dynamic int8 quantisation
+  reaches only the output head, a drafter proposing what the 0.5B proposes.)
 --env smollm2: the embedded SmolLM2-135M-Instruct (fp32) on eval/data/drafter_prompts.jsonl (code,
 prose, qa, summarisation; provenance in each row), with the pool (N = 5):
   bf16, int8      copies of the target (hf_specdec.self_draft)
@@ -55,7 +57,7 @@ DOMAINS = ("code", "prose", "qa", "summarisation")
 BASE = ("bf16", "int8", "pld", "code-ds", "prose-ds")
 POOLS = {2: ["int8", "pld"], 4: ["int8", "pld", "code-ds", "prose-ds"], 5: list(BASE),
          8: list(BASE) + ["layers-2", "layers-4", "license-ds"]}
-QWEN_POOL = ["qwen-0.5b", "qwen-0.5b-int8", "pld", "code-ds"]
+QWEN_POOL = ["qwen-0.5b", "pld", "code-ds", "prose-ds"]
 
 
 @dataclass
@@ -127,6 +129,12 @@ def log_datastores(drafters: dict) -> None:
             logger.info("%s: %d tokens", name, len(d.corpus))
 
 
+def prose_datastore(tokenizer, exclude=()) -> hf_specdec.DatastoreDrafter:
+    from pydoc_data.topics import topics
+    return hf_specdec.DatastoreDrafter.from_texts([t for name, t in sorted(topics.items()) if name not in exclude],
+                                                  tokenizer, name="prose-ds")
+
+
 def smollm2_env(args) -> Env:
     from hf_specdec.embedded import load_smollm2
     if not 1 <= args.per_domain <= 8:
@@ -148,18 +156,16 @@ def qwen_coder_env(args) -> Env:
     model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
     draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
     drafters = {"qwen-0.5b": hf_specdec.ModelDrafter(draft, name="qwen-0.5b"),
-                "qwen-0.5b-int8": hf_specdec.self_draft(draft, "int8"),
                 "pld": hf_specdec.PromptLookupDrafter(),
                 "code-ds": hf_specdec.DatastoreDrafter.from_files(stdlib_sources(), tokenizer,
-                                                                   max_tokens=args.max_datastore_tokens, name="code-ds")}
-    drafters["qwen-0.5b-int8"].name = "qwen-0.5b-int8"
+                                                                   max_tokens=args.max_datastore_tokens, name="code-ds"),
+                "prose-ds": prose_datastore(tokenizer)}
     log_datastores(drafters)
     return Env(title="Qwen2.5-Coder-1.5B-Instruct bf16, Spec-Bench questions", model=model, tokenizer=tokenizer,
                prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
 
 
 def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: int) -> dict:
-    from pydoc_data.topics import topics
     all_rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     held_topics = {r.get("topic") for r in all_rows}
     held_modules = {r.get("module") for r in all_rows}
@@ -172,8 +178,7 @@ def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: 
         "pld": hf_specdec.PromptLookupDrafter(),
         "code-ds": hf_specdec.DatastoreDrafter.from_files(sources, tokenizer, max_tokens=max_datastore_tokens,
                                                            name="code-ds"),
-        "prose-ds": hf_specdec.DatastoreDrafter.from_texts(
-            [t for name, t in sorted(topics.items()) if name not in held_topics], tokenizer, name="prose-ds"),
+        "prose-ds": prose_datastore(tokenizer, exclude=held_topics),
         "layers-2": truncated_copy(model, 2),
         "layers-4": truncated_copy(model, 4),
     }

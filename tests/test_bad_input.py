@@ -111,3 +111,10 @@ def test_extra_model_inputs_refused():
     with pytest.raises(ValueError, match=r"\['token_type_ids'\] are not supported"):
         spec(target, [target], input_ids=ids, attention_mask=mask, max_new_tokens=5,
              token_type_ids=torch.zeros_like(ids))
+
+
+def test_int8_self_draft_of_a_model_without_linear_layers():
+    with pytest.raises(ValueError, match="kind='int8'.*nn.Linear"):
+        hf_specdec.self_draft(torch.nn.Sequential(torch.nn.Embedding(8, 4)), "int8")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        hf_specdec.self_draft(build("llama", 1, seed=0), "int4")

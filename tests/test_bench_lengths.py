@@ -42,7 +42,8 @@ def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path
     assert oracle in ("plain", "fixed:1", "fixed:2")
     assert set(confirm) == {"plain", oracle, "nightjar"}
     for row in confirm.values():
-        assert len(row["seconds"]) == 2 and row["identical_to_plain"] and "x_fixed" not in row
+        assert len(row["seconds"]) == 2 and row["identity"] == {"identical": 1, "near_tie": 0, "other": 0}
+        assert "x_fixed" not in row
         assert len(row["drafting_steps"]) == 2
     assert confirm["plain"]["drafting_steps"] == [0, 0]
     assert confirm[oracle]["x_oracle"] == {"median": 1.0, "ci90": [1.0, 1.0]}
@@ -52,3 +53,15 @@ def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path
     assert set(changing["nightjar"]["x_fixed"]) == {"fixed:1", "fixed:2"}
     text = out.with_suffix(".md").read_text()
     assert "confirming round" in text and "speed x each fixed k" in text
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_resume_keeps_finished_batch_sizes(tmp_path):
+    out = tmp_path / "bench"
+    args = ["--envs", "tiny-useless", "--changing-rows", "0", "--max-new-tokens", "4", "--repeats", "1",
+            "--confirm-repeats", "0", "--learn-runs", "0", "--methods", "fixed:1", "--out", str(out)]
+    bench_lengths.main([*args, "--batch-sizes", "1"])
+    first = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]["1"]
+    bench_lengths.main([*args, "--batch-sizes", "1,2", "--resume"])
+    batches = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]
+    assert set(batches) == {"1", "2"} and batches["1"] == first     # B=1 kept as measured, B=2 run

@@ -13,9 +13,14 @@ KINDS = ("bf16", "fp16", "int8")
 
 def self_draft(model: torch.nn.Module, kind: str = "bf16") -> ModelDrafter:
     """A `ModelDrafter` over a copy of `model`: "bf16"/"fp16" cast, or "int8" dynamic quantisation
-    of every `nn.Linear` (CPU only). The target is left untouched."""
+    of every `nn.Linear` (CPU only; of a GGUF checkpoint, whose layers stay packed, that is only
+    the output head, and the packed layers compute in float32). The target is left untouched."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "int8" and not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        # quantize_dynamic would return a float copy of the same weights under an int8 name
+        raise ValueError(f"kind='int8' quantises the model's torch.nn.Linear layers; this "
+                         f"{type(model).__name__} has none (already quantised?)")
     draft = copy.deepcopy(model).eval()
     if kind == "int8":
         if next(model.parameters()).device.type != "cpu":
