@@ -338,7 +338,8 @@ def plot(all_results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     envs = list(all_results)
-    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3.4 * len(envs)), squeeze=False)
+    cols = 2 if any("changing" in all_results[e]["batches"] for e in envs) else 1
+    fig, axes = plt.subplots(len(envs), cols, figsize=(5.5 * cols, 3.4 * len(envs)), squeeze=False)
     for row, env in zip(axes, envs):
         batches = all_results[env]["batches"]
         sizes = [b for b in batches if b != "changing"]
@@ -353,6 +354,8 @@ def plot(all_results: dict, path: Path) -> None:
             row[0].set_ylabel("speed x plain generate()")
             row[0].set_title(f"{env}: tokens/s over plain")
             row[0].legend(fontsize=7)
+        if cols == 1:
+            continue
         changing = batches.get("changing", {}).get("methods", {})
         shown = [m for m in ("nightjar", "adaspec", "dsd", "hf-heuristic") if m in changing]
         for m in shown:
@@ -410,13 +413,13 @@ def main(argv=None):
         parser.error(f"--methods: unknown {[m for m in args.methods if m not in METHODS]}; known: {METHODS}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    all_results = {}
+    all_results, run_stamp = {}, stamp()     # the code as it was when the run started
     if args.resume and out.with_suffix(".json").exists():
         all_results = json.loads(out.with_suffix(".json").read_text())["results"]
 
     def save(env, results):      # after every batch size, so a stopped run keeps what it measured
         all_results[env] = results
-        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "stamp": stamp(), "results": all_results},
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "stamp": run_stamp, "results": all_results},
                                                        indent=1))
         out.with_suffix(".md").write_text(markdown(all_results, args))
 
