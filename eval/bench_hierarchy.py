@@ -44,8 +44,6 @@ from report import write_results
 from spec_bench import SOURCE as SPEC_BENCH
 
 logger = logging.getLogger("bench_hierarchy")
-TWO_MODEL_K = (2, 4, 6)
-HIERARCHY = ((2, 2), (3, 2), (4, 1), (2, 3))
 
 
 def _truncated(source, layers: int, seed: int):
