@@ -1,6 +1,6 @@
 """Spec policies under a changing request rate on a real model, and the simulator checked against it.
 
-    python eval/bench_serving.py --env qwen-coder --phases 12:0.05,12:0.6,12:0.05 --output-len 16,40 \
+    python eval/bench_serving.py --env qwen-coder --phases 30:0.05,30:0.6,30:0.05 --output-len 16,40 \
         --out docs/results/bench_serving/qwen-coder
 
 Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-Instruct with
