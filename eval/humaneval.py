@@ -10,8 +10,9 @@ Methods: `plain` (generate()) and `spec-<drafter>[:<k>]` with drafter one of
   hier               the 3-model hierarchy int8 copy -> bf16 copy -> target (HierarchicalDrafter,
                      3 drafts per inner cycle, 2 cycles);
 k is the draft length (default 4). The target is the embedded SmolLM2-135M-Instruct unless
---target names a model id/path (e.g. Qwen/Qwen2.5-1.5B-Instruct with --draft Qwen/Qwen2.5-0.5B-Instruct),
-or `tiny-random` (a random tiny Llama with SmolLM2's tokenizer: for tests of the pipeline).
+--target names an embedded model (hf_specdec.embedded.load_model: e.g. qwen2.5-coder-1.5b-instruct
+with --draft qwen2.5-coder-0.5b-instruct, the real pair), a model id/path, or `tiny-random` (a
+random tiny Llama with SmolLM2's tokenizer: for tests of the pipeline).
 
 The model continues the bare prompt (--prompt-style raw, as Codex), or, for instruct models,
 a chat-template request whose answer is opened as a code block holding the prompt (--prompt-style
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `eval` as a p
 import hf_specdec  # noqa: E402
 from eval.humaneval_data import load_pass_at_k_metric, load_problems, prompt_text, truncate_completion  # noqa: E402
 from eval.sandbox import run_checks  # noqa: E402
+from hf_specdec.embedded import MODELS, load_model  # noqa: E402
 
 logger = logging.getLogger("humaneval")
 DRAFTER_KINDS = ("bf16", "fp16", "int8", "pld", "draft", "hier")   # hier: int8 -> bf16 -> target
@@ -83,6 +85,8 @@ def load_models(args, methods):
         target = build("llama", layers=2, vocab=len(tokenizer), hidden=32, init=0.02)
         target.generation_config.pad_token_id = tokenizer.pad_token_id
         target.generation_config.eos_token_id = tokenizer.eos_token_id
+    elif args.target in MODELS:
+        target, tokenizer = load_model(args.target)
     else:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype="auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
@@ -96,7 +100,9 @@ def load_models(args, methods):
             drafters[kind] = hf_specdec.HierarchicalDrafter(hf_specdec.self_draft(target, "int8"),
                                                             hf_specdec.self_draft(target, "bf16"), draft_len=3, cycles=2)
         elif kind == "draft":
-            drafters[kind] = hf_specdec.ModelDrafter(AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval())
+            draft = load_model(args.draft)[0] if args.draft in MODELS else \
+                AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval()
+            drafters[kind] = hf_specdec.ModelDrafter(draft, name=args.draft)
         else:
             drafters[kind] = hf_specdec.self_draft(target, kind)
     return hf_specdec.enable(target), tokenizer, drafters
@@ -275,8 +281,10 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=10, help="samples generated together")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per test execution")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target", default="smollm2", help="smollm2 (embedded), tiny-random, or a model id/path")
-    parser.add_argument("--draft", default=None, help="model id/path for the spec-draft method")
+    parser.add_argument("--target", default="smollm2",
+                        help=f"smollm2 (embedded), tiny-random, an embedded name ({', '.join(MODELS)}) or a model id/path")
+    parser.add_argument("--draft", default=None,
+                        help="an embedded name or a model id/path, for the spec-draft method")
     parser.add_argument("--prompt-style", choices=("raw", "chat"), default="raw",
                         help="raw: the bare HumanEval prompt (default, as Codex); chat: instruct models via "
                              "their chat template")

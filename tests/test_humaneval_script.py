@@ -49,6 +49,14 @@ def test_greedy_counts_identical_completions(tmp_path):
     assert summary["methods"]["spec-int8:3"]["identical_to_plain"] == "2/2"
 
 
+def test_draft_by_embedded_name(tmp_path):
+    """--draft takes hf_specdec.embedded names (here SmolLM2, which shares tiny-random's tokenizer)."""
+    summary = humaneval.main(["--target", "tiny-random", "--limit", "1", "--n", "1", "--k", "1",
+                              "--temperature", "0", "--max-new-tokens", "8", "--out", str(tmp_path),
+                              "--methods", "plain,spec-draft:2", "--draft", "smollm2-135m-instruct"])
+    assert summary["methods"]["spec-draft:2"]["identical_to_plain"] == "1/1"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--methods", "plain,spec-turbo"], "unknown method 'spec-turbo'"),
     (["--methods", "plain", "--k", "1,5"], "--k must lie in 1..n=2"),
