@@ -1,7 +1,7 @@
 """Draft offload/reload through accelerate hooks: memory reclaimed, latencies, dispatch overhead.
 
     python eval/bench_offload.py --out results/bench_offload            # on a CUDA GPU
-    python eval/bench_offload.py --device cpu --out /tmp/bench_offload  # latencies only
+    python eval/bench_offload.py --device cpu --out results/bench_offload  # latencies only
 
 Random-weight Llama models of realistic size (default: a ~1.1B target, 2048 wide x 22 layers,
 and a ~160M draft, 768 x 12; bf16 on CUDA; on CPU only the draft is built). Measured:
