@@ -91,13 +91,12 @@ def smollm2_env():
 def qwen_env(prompts: str, questions=None):
     from hf_specdec.embedded import load_model
     if prompts == "rag":
-        from spec_bench import load_questions
+        from spec_bench import chat_text, load_questions
         rows = [q for q in load_questions(questions) if q["domain"] == "rag"][:4]
     model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
     intermediate, _ = load_model("qwen2.5-coder-0.5b-instruct")
     if prompts == "rag":
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": q["text"]}], tokenize=False,
-                                               add_generation_prompt=True) for q in rows]
+        texts = [chat_text(q, tokenizer) for q in rows]
     else:
         texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=4)]
     return model, intermediate, hf_specdec.PromptLookupDrafter, \

@@ -50,7 +50,7 @@ import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, profile
 from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
-from identity import compare_rows, counts
+from identity import compare_rows, counts, until_eos
 from report import stamp
 
 logger = logging.getLogger("bench_lengths")
@@ -165,11 +165,8 @@ def paired_speed(reference: list[float], seconds: list[float], resamples: int = 
 
 
 def new_tokens(out, prompt_len, eos):
-    new = out.sequences[:, prompt_len:]
-    if eos is None:
-        return new.numel()
-    ends = [(row == eos).nonzero() for row in new]
-    return sum(int(e[0]) + 1 if len(e) else len(row) for e, row in zip(ends, new))
+    """New tokens of all rows, each up to and including its first EOS."""
+    return sum(len(until_eos(row, eos)) for row in out.sequences[:, prompt_len:])
 
 
 def changing_budgets(rows: int, longest: int, spread: str) -> list[int]:

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 import hf_specdec
 from identity import compare_rows, counts   # eval/ is on sys.path when run as a script
 from report import write_results
-from spec_bench import SOURCE as SPEC_BENCH
+from spec_bench import SOURCE as SPEC_BENCH, chat_text
 
 logger = logging.getLogger("drafter_selection")
 HERE = Path(__file__).resolve().parent
@@ -190,9 +190,7 @@ def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: 
 
 def encode(prompt: dict, tokenizer) -> dict:
     if prompt["style"] == "chat":
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt["text"]}], tokenize=False,
-                                             add_generation_prompt=True)
-        return dict(tokenizer(text, return_tensors="pt", add_special_tokens=False))
+        return dict(tokenizer(chat_text(prompt, tokenizer), return_tensors="pt", add_special_tokens=False))
     return dict(tokenizer(prompt["text"], return_tensors="pt"))
 
 

@@ -31,3 +31,9 @@ def load_questions(path, per_category: int | None = None) -> list[dict]:
             by_category.setdefault(row["category"], []).append(
                 {"id": row["question_id"], "domain": row["category"], "text": row["turns"][0], "style": "chat"})
     return [q for rows in by_category.values() for q in rows[:per_category]]
+
+
+def chat_text(question: dict, tokenizer) -> str:
+    """The question as the user's turn of `tokenizer`'s chat template, the assistant's turn opened."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": question["text"]}], tokenize=False,
+                                         add_generation_prompt=True)
