@@ -1,28 +1,27 @@
 """HumanEval pass@k and speed of every decoding method, side by side, on the same problems.
 
-    python eval/humaneval.py --methods plain,spec-bf16,spec-int8,spec-pld --n 10 --k 1,5,10 \
-        --temperature 0.8 --top-p 0.95 --max-new-tokens 384 --limit 20 --out results/he
+    python eval/humaneval.py --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
+        --prompt-style chat --temperature 0 --n 1 --k 1 --batch-size 1 \
+        --methods plain,fixed:5@draft,nightjar@draft,hedgespec@pool,fixed:6@hier --out results/he
 
-Methods: `plain` (generate()) and `spec-<drafter>[:<k>]` with drafter one of
-  bf16, fp16, int8   a copy of the target derived offline (hf_specdec.self_draft),
-  pld                prompt lookup (hf_specdec.PromptLookupDrafter),
-  draft              the model given by --draft (a hub id or a path, same vocabulary),
-  hier               the 3-model hierarchy int8 copy -> bf16 copy -> target (HierarchicalDrafter,
-                     3 drafts per inner cycle, 2 cycles);
-k is the draft length (default 4). The target is the embedded SmolLM2-135M-Instruct unless
---target names an embedded model (hf_specdec.embedded.load_model: e.g. qwen2.5-coder-1.5b-instruct
-with --draft qwen2.5-coder-0.5b-instruct, the real pair), a model id/path, or `tiny-random` (a
-random tiny Llama with SmolLM2's tokenizer: for tests of the pipeline).
+Methods (eval/methods.py): `plain` (generate()) or `<policy>[:k]@<drafter>`: any length policy
+(fixed, hf-heuristic, confidence, nightjar, adaspec, dsd) over a drafter (draft: --draft; pld:
+prompt lookup; bf16/fp16/int8: copies of the target; hier: prompt lookup -> draft -> target), or
+a drafter selector (hedgespec, ucb, exp3) over @pool (--pool). The target is the embedded
+SmolLM2-135M-Instruct unless --target names an embedded model (hf_specdec.embedded: the real pair
+above), a model id/path, or `tiny-random` (a random tiny Llama, for tests of the pipeline).
 
-The model continues the bare prompt (--prompt-style raw, as Codex), or, for instruct models,
-a chat-template request whose answer is opened as a code block holding the prompt (--prompt-style
-chat). Every sample is generated in batches of copies of the prompt, cut at Codex's stop
-sequences (and ```, which ends a code block),
-executed against the problem's tests in a sandbox (eval/sandbox.py: separate process, limits),
-and appended to <out>/samples.jsonl as soon as its batch finishes; a rerun skips what is done.
-Sampling is seeded per (problem, batch), identically for every method. --temperature 0 means
-greedy (n = 1): completions must then be identical to plain's, and the summary counts them.
-At the end: <out>/summary.json, <out>/summary.md and <out>/summary.png.
+The model continues the bare prompt (--prompt-style raw, as Codex: cut at Codex's stop
+sequences), or, for instruct models, a chat-template request whose answer is opened as a code
+block holding the prompt (--prompt-style chat: generation stops at the block's end, and top-level
+test code after the function is cut, as evalplus sanitises). Samples of a problem are generated in
+batches of copies of the prompt, executed against the problem's tests in a sandbox
+(eval/sandbox.py: separate process, limits), and appended to <out>/samples.jsonl as soon as their
+batch finishes; a rerun skips what is done. Methods take turns problem by problem (plain first),
+so a run cut short compares them on the same problems. Sampling is seeded per (problem, batch),
+identically for every method. --temperature 0 means greedy (n = 1): each completion is compared
+with plain's token by token, and a first divergence is re-scored (eval/identity.py: a near-tie of
+the target's dtype, or anything else, a bug). At the end: <out>/summary.{json,md,png}, stamped.
 """
 from __future__ import annotations
 
@@ -37,43 +36,21 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import StopStringCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `eval` as a package from anywhere
 import hf_specdec  # noqa: E402
-from eval.humaneval_data import load_pass_at_k_metric, load_problems, prompt_text, truncate_completion  # noqa: E402
+from eval.humaneval_data import (load_pass_at_k_metric, load_problems, prompt_text, stop_sequences,  # noqa: E402
+                                  truncate_completion)
+from eval.identity import VERDICTS, compare_rows, until_eos  # noqa: E402
+from eval.methods import MethodFactory, parse_methods, parse_pool  # noqa: E402
+from eval.report import stamp, stamp_line  # noqa: E402
 from eval.sandbox import run_checks  # noqa: E402
 from hf_specdec.embedded import MODELS, load_model  # noqa: E402
 
 logger = logging.getLogger("humaneval")
-DRAFTER_KINDS = ("bf16", "fp16", "int8", "pld", "draft", "hier")   # hier: int8 -> bf16 -> target
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str                 # as given on the command line
-    drafter: str | None       # one of DRAFTER_KINDS, None for plain
-    k: int = 4
-
-
-def parse_methods(text: str) -> list[Method]:
-    methods = []
-    for name in [m.strip() for m in text.split(",") if m.strip()]:
-        if name == "plain":
-            methods.append(Method(name, None, 0))
-            continue
-        kind, _, k = name.removeprefix("spec-").partition(":")
-        if not name.startswith("spec-") or kind not in DRAFTER_KINDS or (k and not k.isdigit()):
-            raise ValueError(f"--methods: unknown method {name!r}; use plain or spec-<{'|'.join(DRAFTER_KINDS)}>[:k]")
-        methods.append(Method(name, kind, int(k) if k else 4))
-    if not methods:
-        raise ValueError("--methods is empty")
-    if len({m.name for m in methods}) != len(methods):
-        raise ValueError("--methods lists a method twice")
-    return methods
-
-
-def load_models(args, methods):
-    """(target, tokenizer, {drafter kind: drafter})."""
+def load_models(args):
+    """(target with hf_specdec enabled, tokenizer, draft model or None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if args.target == "smollm2":
         from hf_specdec.embedded import load_smollm2
@@ -92,20 +69,11 @@ def load_models(args, methods):
         tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-    drafters = {}
-    for kind in {m.drafter for m in methods} - {None}:
-        if kind == "pld":
-            drafters[kind] = hf_specdec.PromptLookupDrafter()
-        elif kind == "hier":
-            drafters[kind] = hf_specdec.HierarchicalDrafter(hf_specdec.self_draft(target, "int8"),
-                                                            hf_specdec.self_draft(target, "bf16"), draft_len=3, cycles=2)
-        elif kind == "draft":
-            draft = load_model(args.draft)[0] if args.draft in MODELS else \
-                AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval()
-            drafters[kind] = hf_specdec.ModelDrafter(draft, name=args.draft)
-        else:
-            drafters[kind] = hf_specdec.self_draft(target, kind)
-    return hf_specdec.enable(target), tokenizer, drafters
+    draft = None
+    if args.draft:
+        draft = load_model(args.draft)[0] if args.draft in MODELS else \
+            AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval()
+    return hf_specdec.enable(target), tokenizer, draft
 
 
 def read_done(path: Path) -> dict:
@@ -121,58 +89,98 @@ def read_done(path: Path) -> dict:
     return done
 
 
-def generate_batch(model, tokenizer, drafter, method, problem, count, seed, args):
-    """`count` completions of one problem: (texts, new token counts, seconds, spec stats or None)."""
+@dataclass
+class Batch:
+    """`count` completions of one problem."""
+    inputs: dict            # the tokenized prompts: input_ids, attention_mask [count, prompt]
+    tokens: list            # per row, the new token ids up to the first EOS (or the stop)
+    texts: list             # per row, the decoded new tokens
+    seconds: float          # of the generate() call
+    stats: object = None    # spec_stats of a speculative call
+
+
+def generate_batch(model, tokenizer, factory, method, problem, count, seed, criteria, args) -> Batch:
     text = prompt_text(problem, tokenizer, args.prompt_style)
     inputs = tokenizer([text] * count, return_tensors="pt", padding=True, add_special_tokens=args.prompt_style == "raw")
-    kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
+    kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True,
+                  stopping_criteria=StoppingCriteriaList([criteria]), **factory.generate_kwargs(method))
     if args.temperature > 0:
         kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
         kwargs.update(do_sample=False)
-    if drafter is not None:
-        kwargs.update(assistant_models=[drafter], spec_policy=hf_specdec.FixedLength(method.k),
-                      spec_generator=torch.Generator().manual_seed(seed))
+    if method.policy is not None:
+        kwargs["spec_generator"] = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # plain generate() samples from the global RNG
     start = time.perf_counter()
     out = model.generate(**kwargs)
     seconds = time.perf_counter() - start
-    new = out.sequences[:, inputs.input_ids.shape[1]:]
-    eos = model.generation_config.eos_token_id
-    lengths = [int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else len(row) for row in new]
-    texts = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new, lengths)]
-    return texts, lengths, seconds, getattr(out, "spec_stats", None)
+    config = model.generation_config
+    tokens = [trim(until_eos(row, config.eos_token_id), config.pad_token_id)
+              for row in out.sequences[:, inputs["input_ids"].shape[1]:]]
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
+    return Batch(dict(inputs), [row.tolist() for row in tokens], texts, seconds, getattr(out, "spec_stats", None))
+
+
+def trim(row: torch.Tensor, pad) -> torch.Tensor:
+    """Without the padding after a row that stopped before the batch's longest."""
+    n = len(row)
+    while pad is not None and n and int(row[n - 1]) == pad:
+        n -= 1
+    return row[:n]
+
+
+def identity_verdict(model, batch: Batch, plain_tokens: list) -> dict:
+    """Greedy, one row: this completion against plain's, re-scored at a first divergence."""
+    prompt = batch.inputs["input_ids"]
+    plain = torch.cat([prompt[0], torch.tensor(plain_tokens, dtype=prompt.dtype)])[None]
+    spec = torch.cat([prompt[0], torch.tensor(batch.tokens[0], dtype=prompt.dtype)])[None]
+    verdict = compare_rows(model, prompt, batch.inputs["attention_mask"], plain, spec,
+                           model.generation_config.eos_token_id)[0]
+    return {key: verdict[key] for key in ("verdict", "position", "gap", "ulp")}
 
 
 def run(args, methods, problems, out_dir: Path):
     samples_path = out_dir / "samples.jsonl"
     done = read_done(samples_path)
-    todo = [(m, p, s) for m in methods for p in problems for s in range(0, args.n, args.batch_size)
+    # problem by problem, every method in turn (plain first: greedy runs compare with it)
+    order = sorted(methods, key=lambda m: m.policy is not None)
+    todo = [(m, p, s) for p in problems for m in order for s in range(0, args.n, args.batch_size)
             if any((m.name, p["task_id"], i) not in done for i in range(s, min(s + args.batch_size, args.n)))]
     if not todo:
         return done
-    model, tokenizer, drafters = load_models(args, methods)
+    runs_path = out_dir / "runs.json"     # the stamp of every start: a resumed run may span commits
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
+    runs_path.write_text(json.dumps(runs + [{**stamp(), "batches_to_do": len(todo)}], indent=1))
+    model, tokenizer, draft = load_models(args)
+    factory = MethodFactory(model, draft_model=draft, pool=args.pool, profile_dir=out_dir,
+                            batch_size=min(args.batch_size, args.n),
+                            context=len(tokenizer(prompt_text(problems[0], tokenizer, args.prompt_style)).input_ids))
+    criteria = StopStringCriteria(tokenizer, stop_sequences(args.prompt_style, generation=True))
     with samples_path.open("a") as sink:
         if samples_path.stat().st_size and not samples_path.read_bytes().endswith(b"\n"):
             sink.write("\n")  # a line cut short by a kill: keep the new records on lines of their own
-        for method, problem, first in tqdm(todo, desc="generate + execute"):
+        for method, problem, first in tqdm(todo, desc="generate + execute", smoothing=0.05):
             count = min(args.batch_size, args.n - first)
             seed = args.seed * 1_000_003 + int(problem["task_id"].split("/")[1]) * 1009 + first
-            texts, lengths, seconds, stats = generate_batch(model, tokenizer, drafters.get(method.drafter),
-                                                            method, problem, count, seed, args)
-            completions = [truncate_completion(t) for t in texts]
+            batch = generate_batch(model, tokenizer, factory, method, problem, count, seed, criteria, args)
+            completions = [truncate_completion(t, stop_sequences(args.prompt_style)) for t in batch.texts]
             results = run_checks([(problem, c) for c in completions], workers=2, timeout=args.timeout,
                                  progress=False)
-            for i, (raw, completion, n_tokens, result) in enumerate(zip(texts, completions, lengths, results)):
+            plain = done.get(("plain", problem["task_id"], 0))
+            identity = identity_verdict(model, batch, plain["tokens"]) \
+                if args.temperature == 0 and method.policy is not None and plain else None
+            for i, (completion, tokens, result) in enumerate(zip(completions, batch.tokens, results)):
                 key = (method.name, problem["task_id"], first + i)
                 if key in done:
                     continue
                 rec = {"method": method.name, "task_id": problem["task_id"], "sample": first + i,
-                       "completion": completion, "new_tokens": n_tokens, "passed": result["passed"],
-                       "result": result["result"], "batch_seconds": seconds, "batch_size": count,
-                       "batch_tokens": sum(lengths),
-                       "mean_accepted_tokens": stats.mean_accepted_tokens if stats else None,
-                       "acceptance_rate": stats.acceptance_rate if stats else None}
+                       "completion": completion, "new_tokens": len(tokens), "passed": result["passed"],
+                       "result": result["result"], "batch_seconds": batch.seconds, "batch_size": count,
+                       "batch_tokens": sum(len(t) for t in batch.tokens),
+                       "mean_accepted_tokens": batch.stats.mean_accepted_tokens if batch.stats else None,
+                       "acceptance_rate": batch.stats.acceptance_rate if batch.stats else None}
+                if args.temperature == 0:
+                    rec.update(tokens=tokens, identity=identity)
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()  # a kill loses at most the batch in flight
                 done[key] = rec
@@ -190,11 +198,19 @@ def bootstrap_diff(per_problem_a, per_problem_b, resamples=2000, seed=0):
 
 
 def summarize(args, methods, problems, done):
+    """pass@k, speed and the verdict against plain of each method, over the problems every method
+    has finished (all of them, unless the run was cut short)."""
     metric = load_pass_at_k_metric()
     estimate = sys.modules[type(metric).__module__].estimate_pass_at_k  # the metric's own estimator
-    task_ids = [p["task_id"] for p in problems]
-    plain = next((m for m in methods if m.drafter is None), None)
-    summary = {"args": dict(vars(args)), "methods": {}}
+    task_ids = [p["task_id"] for p in problems
+                if all((m.name, p["task_id"], s) in done for m in methods for s in range(args.n))]
+    plain = next((m for m in methods if m.policy is None), None)
+    runs_path = Path(args.out) / "runs.json"
+    summary = {"stamp": stamp(), "runs": json.loads(runs_path.read_text()) if runs_path.exists() else [],
+               "args": dict(vars(args)),
+               "problems_finished": len(task_ids), "problems_requested": len(problems), "methods": {}}
+    if not task_ids:
+        return summary
     per_problem = {}
     for m in methods:
         recs = [[done[(m.name, t, s)] for s in range(args.n)] for t in task_ids]
@@ -206,42 +222,70 @@ def summarize(args, methods, problems, done):
         tokens = sum(b["batch_tokens"] for b in batches)
         spec = [b for b in batches if b["mean_accepted_tokens"] is not None]
         per_problem[m.name] = {k: [estimate(args.n, c, k) for c in correct] for k in args.k}
-        summary["methods"][m.name] = {
+        row = summary["methods"][m.name] = {
             **{key: round(v, 4) for key, v in passk.items()},
             "samples": args.n * len(task_ids), "seconds_per_sample": round(seconds / (args.n * len(task_ids)), 3),
             "tokens_per_s": round(tokens / seconds, 2),
             "mean_accepted_tokens": round(sum(b["mean_accepted_tokens"] for b in spec) / len(spec), 3) if spec else None,
             "acceptance_rate": round(sum(b["acceptance_rate"] for b in spec) / len(spec), 3) if spec else None,
         }
-        if plain is not None and m is not plain:
-            row = summary["methods"][m.name]
-            if args.temperature == 0:
-                same = sum(done[(m.name, t, 0)]["completion"] == done[(plain.name, t, 0)]["completion"] for t in task_ids)
-                row["identical_to_plain"] = f"{same}/{len(task_ids)}"
-            for k in args.k:
-                lo, hi = bootstrap_diff(per_problem[m.name][k], per_problem[plain.name][k])
-                row[f"pass@{k}_diff_ci95"] = [round(lo, 4), round(hi, 4)]
-                row[f"pass@{k}_significant_drop"] = hi < 0
+        if plain is None or m is plain:
+            continue
+        row["speedup"] = round(row["tokens_per_s"] / summary["methods"][plain.name]["tokens_per_s"], 3)
+        if args.temperature == 0:
+            verdicts = [done[(m.name, t, 0)]["identity"] for t in task_ids]
+            row["identity"] = {v: sum(x["verdict"] == v for x in verdicts) for v in VERDICTS}
+            # pass@1 over the rows identical to plain is plain's by construction; a near-tie row may differ
+            row["pass@1_changed_rows"] = [t for t in task_ids if done[(m.name, t, 0)]["passed"]
+                                          != done[(plain.name, t, 0)]["passed"]]
+        for k in args.k:
+            lo, hi = bootstrap_diff(per_problem[m.name][k], per_problem[plain.name][k])
+            row[f"pass@{k}_diff_ci95"] = [round(lo, 4), round(hi, 4)]
+            row[f"pass@{k}_significant_drop"] = hi < 0
+            # a true drop of about half the interval's width would have pushed it below 0
+            row[f"pass@{k}_detectable_drop"] = round((hi - lo) / 2, 4)
     return summary
 
 
 def markdown(summary, args):
-    names = list(summary["methods"])
+    finished, requested = summary["problems_finished"], summary["problems_requested"]
+    runs = summary["runs"] or [summary["stamp"]]
+    resumed = sorted({r["commit"] for r in runs[1:]} - {runs[0]["commit"]})
+    lines = [f"_{stamp_line(runs[0])}_" + (f" (resumed {len(runs) - 1} times, at commits {', '.join(resumed)})"
+                                           if len(runs) > 1 else ""), "",
+             f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
+             ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
+             + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}", "",
+             f"{finished} of {requested} problems finished by every method"
+             + ("." if finished == requested else " (the run was cut short: what follows covers those only)."), ""]
+    if not finished:
+        return "\n".join(lines) + "\n"
     cols = [f"pass@{k}" for k in args.k]
-    head = ["method", *cols, "tokens/s", "s/sample", "MAT", "accept", "vs plain (95% CI of pass@k diff)"]
-    lines = [f"HumanEval: {args.limit or 'all'} problems, n={args.n}, temperature={args.temperature}, "
-             f"top_p={args.top_p}, max_new_tokens={args.max_new_tokens}", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in names:
-        r = summary["methods"][name]
-        diffs = "; ".join(f"{c}: [{r[c + '_diff_ci95'][0]:+.3f}, {r[c + '_diff_ci95'][1]:+.3f}]"
-                          + (" DROP" if r[c + "_significant_drop"] else "") for c in cols if c + "_diff_ci95" in r)
-        if "identical_to_plain" in r:
-            diffs = f"identical {r['identical_to_plain']}; " + diffs
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    greedy = args.temperature == 0
+    head = ["method", *cols, "tokens/s", "x plain", "MAT", "accept",
+            "identical / near-tie / other" if greedy else "difference to plain, 95% CI (smallest detectable drop)"]
+    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 2) + "---|"]
+    fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
+    for name, r in summary["methods"].items():
+        if greedy:
+            verdict = "-" if "identity" not in r else "{identical} / {near_tie} / {other}".format(**r["identity"])
+        else:
+            verdict = "; ".join(f"{c} [{r[c + '_diff_ci95'][0]:+.3f}, {r[c + '_diff_ci95'][1]:+.3f}] "
+                                f"({r[c + '_detectable_drop']:.3f})" + (" DROP" if r[c + "_significant_drop"] else "")
+                                for c in cols if c + "_diff_ci95" in r) or "-"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" for c in cols)
-                     + f" | {r['tokens_per_s']:.1f} | {r['seconds_per_sample']:.2f} | {fmt(r['mean_accepted_tokens'])}"
-                     f" | {fmt(r['acceptance_rate'])} | {diffs or '-'} |")
+                     + f" | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'))} | {fmt(r['mean_accepted_tokens'])}"
+                     f" | {fmt(r['acceptance_rate'])} | {verdict} |")
+    if greedy:
+        lines += ["", "near-tie: the first token that differs from plain's was within 2 ulps of plain's at the "
+                  "target's dtype (re-scored, eval/identity.py); other: any other difference (a bug). "
+                  "Rows whose pass/fail differs from plain's: "
+                  + ("; ".join(f"{n}: {', '.join(r['pass@1_changed_rows'])}" for n, r in summary["methods"].items()
+                               if r.get("pass@1_changed_rows")) or "none") + "."]
+    else:
+        lines += ["", "Difference to plain: 95% bootstrap interval over problems of (method - plain); DROP when it "
+                  "lies below 0. Smallest detectable drop: half the interval's width, the drop this sample size "
+                  "could have told from none."]
     return "\n".join(lines) + "\n"
 
 
@@ -270,7 +314,8 @@ def plot(summary, args, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="plain,spec-bf16,spec-int8,spec-pld")
+    parser.add_argument("--methods", default="plain,fixed@bf16,fixed@int8,fixed@pld",
+                        help="comma-separated: plain or <policy>[:k]@<drafter> (eval/methods.py)")
     parser.add_argument("--n", type=int, default=10, help="samples per problem")
     parser.add_argument("--k", default="1,5,10")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (then n must be 1)")
@@ -284,7 +329,9 @@ def main(argv=None):
     parser.add_argument("--target", default="smollm2",
                         help=f"smollm2 (embedded), tiny-random, an embedded name ({', '.join(MODELS)}) or a model id/path")
     parser.add_argument("--draft", default=None,
-                        help="an embedded name or a model id/path, for the spec-draft method")
+                        help="an embedded name or a model id/path: the `draft` drafter (and the hierarchy's middle)")
+    parser.add_argument("--pool", default=None,
+                        help="drafters of @pool, comma-separated (default: draft,pld with --draft, else int8,pld)")
     parser.add_argument("--prompt-style", choices=("raw", "chat"), default="raw",
                         help="raw: the bare HumanEval prompt (default, as Codex); chat: instruct models via "
                              "their chat template")
@@ -297,6 +344,7 @@ def main(argv=None):
     try:
         methods = parse_methods(args.methods)
         args.k = sorted({int(k) for k in args.k.split(",")})
+        args.pool = parse_pool(args.pool or ("draft,pld" if args.draft else "int8,pld"))
     except ValueError as err:
         parser.error(str(err))
     if args.n < 1 or args.batch_size < 1:
@@ -305,8 +353,9 @@ def main(argv=None):
         parser.error(f"--k must lie in 1..n={args.n}, got {args.k}")
     if args.temperature == 0 and args.n != 1:
         parser.error("--temperature 0 is greedy: every sample would be the same; use --n 1")
-    if any(m.drafter == "draft" for m in methods) and not args.draft:
-        parser.error("method spec-draft needs --draft <model id or path>")
+    uses_draft = [m.name for m in methods if m.drafter == "draft" or (m.drafter == "pool" and "draft" in args.pool)]
+    if uses_draft and not args.draft:
+        parser.error(f"method {uses_draft[0]} needs --draft <embedded name, model id or path>")
     selection = [int(p) if p.isdigit() else p for p in args.problems.split(",")] if args.problems else None
     problems = load_problems(limit=args.limit, problems=selection, path=args.data)
 
@@ -318,7 +367,8 @@ def main(argv=None):
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args)
     (out_dir / "summary.md").write_text(table)
-    plot(summary, args, out_dir / "summary.png")
+    if summary["methods"]:
+        plot(summary, args, out_dir / "summary.png")
     print(table)
     return summary
 

@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 # Codex-style stop sequences (a completion of a function body ends where top-level code starts
 # again), plus the end of the code block that the chat prompt opens.
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "```")
+# A chat answer is the code block the prompt opens: helpers and imports after the function belong
+# to it; top-level test code (a main guard, prints, asserts) is cut, as evalplus sanitises.
+CHAT_STOP_SEQUENCES = ("```", "\nif __name__", "\nprint(", "\nassert ")
 
 _METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "code_pass_at_k"
 
@@ -88,6 +91,14 @@ def prompt_text(problem, tokenizer, style: str) -> str:
                  + problem["prompt"] + "```"}]
     chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return chat + "```python\n" + problem["prompt"]
+
+
+def stop_sequences(style: str, generation: bool = False) -> tuple[str, ...]:
+    """Where a completion is cut (`truncate_completion`); generation=True: where generate() stops
+    (a chat answer at the end of its code block)."""
+    if style == "raw":
+        return STOP_SEQUENCES
+    return CHAT_STOP_SEQUENCES[:1] if generation else CHAT_STOP_SEQUENCES
 
 
 def truncate_completion(text: str, stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:

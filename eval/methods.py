@@ -1,0 +1,171 @@
+"""Decoding methods by name, for the evaluation scripts: `plain` or `<policy>[:k]@<drafter>`.
+
+    methods = parse_methods("plain,fixed:5@draft,nightjar@draft,hedgespec@pool,fixed:6@hier")
+    factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"), profile_dir=out)
+    model.generate(**inputs, **factory.generate_kwargs(methods[1]))
+
+policy      fixed[:k]      k drafts every step (default 4)
+            hf-heuristic   Transformers' num_assistant_tokens schedule (HFHeuristic)
+            confidence     Transformers' assistant_confidence_threshold (ConfidenceThreshold)
+            nightjar[:k]   a bandit per batch size over 0..k drafts, 0 = no speculation (default k 6)
+            adaspec[:k]    confidence and latency model, up to k (default 8)
+            dsd[:k]        goodput of a latency model and the acceptance rate, up to k (default 8)
+            hedgespec[:k], ucb[:k], exp3[:k]   choose among the drafters of @pool, k drafts a step
+drafter     draft          the draft model (an embedded name, a hub id or a path)
+            pld            prompt lookup
+            bf16, fp16, int8   a copy of the target (hf_specdec.self_draft)
+            hier           three models: prompt lookup -> draft model -> target (2 drafts per inner
+                           cycle, 2 cycles); without a draft model, the target's int8 -> bf16 copies
+            pool           the drafters named by `pool` (for the selectors)
+
+AdaSpec and DSD need a cost profile of target and drafter: measured on first use at the run's
+batch size (`drafter_profile`) and saved in `profile_dir`, so a resumed run reuses it. Drafters
+and policies are built once and live for the whole run: the learning policies carry what they
+learned from one call to the next, as they would in a server.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import hf_specdec
+from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+
+LENGTH_POLICIES = ("fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
+SELECTORS = ("hedgespec", "ucb", "exp3")
+DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool")
+POOL_MEMBERS = ("draft", "pld", "bf16", "fp16", "int8")
+TAKES_K = ("fixed", "nightjar", "adaspec", "dsd", *SELECTORS)
+USAGE = (f"plain or <policy>[:k]@<drafter> with policy one of {', '.join(LENGTH_POLICIES + SELECTORS)} "
+         f"(':k' for {', '.join(TAKES_K)}) and drafter one of {', '.join(DRAFTERS)}; "
+         f"{', '.join(SELECTORS)} take @pool, the others a single drafter")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str                   # as given
+    policy: str | None = None   # None: plain generate()
+    drafter: str | None = None
+    k: int | None = None        # drafts a step (fixed, selectors) or the longest draft; None: the default
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.policy in ("adaspec", "dsd")
+
+
+def parse_method(name: str) -> Method:
+    if name == "plain":
+        return Method(name)
+    head, at, drafter = name.partition("@")
+    policy, colon, k = head.partition(":")
+    if not at or policy not in LENGTH_POLICIES + SELECTORS or drafter not in DRAFTERS:
+        raise ValueError(f"unknown method {name!r}; use {USAGE}")
+    if colon and (policy not in TAKES_K or not k.isdigit() or int(k) < 1):
+        raise ValueError(f"method {name!r}: ':k' takes an integer >= 1, for {', '.join(TAKES_K)} only")
+    if (policy in SELECTORS) != (drafter == "pool"):
+        raise ValueError(f"method {name!r}: {', '.join(SELECTORS)} choose among the drafters of @pool, "
+                         "and only they take @pool")
+    return Method(name, policy, drafter, int(k) if colon else None)
+
+
+def parse_methods(text: str) -> list[Method]:
+    """A comma-separated list of method names -> Methods; ValueError listing what exists."""
+    methods = [parse_method(m.strip()) for m in text.split(",") if m.strip()]
+    if not methods:
+        raise ValueError(f"no method given; use {USAGE}")
+    if len({m.name for m in methods}) != len(methods):
+        raise ValueError("a method is listed twice")
+    return methods
+
+
+def parse_pool(text: str) -> tuple[str, ...]:
+    pool = tuple(p.strip() for p in text.split(",") if p.strip())
+    if len(pool) < 2 or len(set(pool)) != len(pool) or any(p not in POOL_MEMBERS for p in pool):
+        raise ValueError(f"--pool must name at least two different drafters among {', '.join(POOL_MEMBERS)}, "
+                         f"got {text!r}")
+    return pool
+
+
+def drafter_profile(target, drafter, batch_sizes, context: int) -> CostProfile:
+    """A cost profile of `target` and the model behind `drafter` (a hierarchy: its intermediate;
+    a lookup drafter costs almost nothing: zero draft latency) at these batch sizes, around
+    `context` tokens; switching lags up to a whole prompt, as a call's first drafts catch it up."""
+    upper = getattr(drafter, "upper", drafter)
+    draft_model = getattr(upper, "model", None)
+    grid = dict(widths=(1, 3, 5, 8), contexts=(context, 2 * context), lags=sorted({1, 4, 16, context}), repeats=2)
+    if draft_model is None:
+        prof = profile(target, target, batch_sizes, **grid)
+        return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
+    return profile(target, draft_model, batch_sizes, **grid)
+
+
+class MethodFactory:
+    """Builds the drafters and policies of methods, once each. draft_model: the causal LM of the
+    `draft` drafter (None: methods using it are refused); batch_size, context: where a cost
+    profile is measured; profile_dir: where profiles are saved and found again."""
+
+    def __init__(self, target, draft_model=None, pool=("draft", "pld"), profile_dir: Path | None = None,
+                 batch_size: int = 1, context: int = 256):
+        self.target, self.draft_model, self.pool = target, draft_model, tuple(pool)
+        self.profile_dir, self.batch_size, self.context = profile_dir, batch_size, context
+        self._drafters, self._policies = {}, {}
+
+    def drafter(self, kind: str):
+        if kind not in self._drafters:
+            self._drafters[kind] = self._make_drafter(kind)
+        return self._drafters[kind]
+
+    def _make_drafter(self, kind: str):
+        if kind == "pld":
+            return hf_specdec.PromptLookupDrafter()
+        if kind in ("bf16", "fp16", "int8"):
+            return hf_specdec.self_draft(self.target, kind)
+        if kind == "hier" and self.draft_model is None:
+            return hf_specdec.HierarchicalDrafter(hf_specdec.self_draft(self.target, "int8"),
+                                                  hf_specdec.self_draft(self.target, "bf16"), draft_len=3, cycles=2)
+        if self.draft_model is None:
+            raise ValueError(f"drafter {kind!r} needs a draft model (--draft)")
+        model = hf_specdec.ModelDrafter(self.draft_model, name="draft")
+        if kind == "hier":
+            return hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(), model, draft_len=2, cycles=2)
+        return model
+
+    def cost_profile(self, kind: str) -> CostProfile:
+        path = None if self.profile_dir is None else Path(self.profile_dir) / f"profile-{kind}-b{self.batch_size}.json"
+        if path is not None and path.exists():
+            return CostProfile.load(path)
+        prof = drafter_profile(self.target, self.drafter(kind), (self.batch_size,), self.context)
+        if path is not None:
+            prof.save(path)
+        return prof
+
+    def policy(self, method: Method):
+        if method.name not in self._policies:
+            self._policies[method.name] = self._make_policy(method)
+        return self._policies[method.name]
+
+    def _make_policy(self, m: Method):
+        k = m.k
+        if m.policy in SELECTORS:
+            selector = {"hedgespec": lambda: hf_specdec.HedgeSpec(seed=0), "ucb": lambda: hf_specdec.UCBSpec(seed=0),
+                        "exp3": lambda: hf_specdec.EXP3Spec(seed=0)}[m.policy]()
+            return hf_specdec.SpecPolicy(selector=selector, length=hf_specdec.FixedLength(k or 4))
+        if m.policy == "fixed":
+            return hf_specdec.FixedLength(k or 4)
+        if m.policy == "hf-heuristic":
+            return hf_specdec.HFHeuristic()
+        if m.policy == "confidence":
+            return hf_specdec.ConfidenceThreshold()
+        if m.policy == "nightjar":
+            return hf_specdec.Nightjar(max_len=k or 6)
+        prof = self.cost_profile(m.drafter)
+        if m.policy == "adaspec":
+            return hf_specdec.AdaSpec(prof, max_len=k or 8)
+        return hf_specdec.DSDGoodput(prof, max_len=k or 8)
+
+    def generate_kwargs(self, method: Method) -> dict:
+        """The extra generate() arguments of `method`: none for plain."""
+        if method.policy is None:
+            return {}
+        kinds = self.pool if method.drafter == "pool" else (method.drafter,)
+        return {"assistant_models": [self.drafter(kind) for kind in kinds], "spec_policy": self.policy(method)}
