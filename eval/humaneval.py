@@ -251,8 +251,8 @@ def markdown(summary, args):
     finished, requested = summary["problems_finished"], summary["problems_requested"]
     runs = summary["runs"] or [summary["stamp"]]
     resumed = sorted({r["commit"] for r in runs[1:]} - {runs[0]["commit"]})
-    lines = [f"_{stamp_line(runs[0])}_" + (f" (resumed {len(runs) - 1} times, at commits {', '.join(resumed)})"
-                                           if len(runs) > 1 else ""), "",
+    lines = [f"_{stamp_line(runs[0])}_" + (f" (resumed {len(runs) - 1} times" + "".join(
+                 f", at commits {', '.join(resumed)}" for _ in resumed[:1]) + ")" if len(runs) > 1 else ""), "",
              f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
              ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
              + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}", "",
