@@ -1,13 +1,16 @@
 """eval/humaneval.py end to end on a tiny random model: methods side by side, resume, bad input."""
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from eval import humaneval  # noqa: E402
+from eval import humaneval, methods  # noqa: E402
 
 TINY = ["--target", "tiny-random", "--limit", "2", "--n", "2", "--k", "1,2", "--max-new-tokens", "12",
         "--batch-size", "2", "--timeout", "3"]
@@ -69,3 +72,67 @@ def test_bad_input_fails_before_generation(tmp_path, capsys, argv, message):
     text = capsys.readouterr().err + str(info.value)
     assert message in text
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+EVERY_METHOD = ("plain,fixed:2@int8,hf-heuristic@int8,confidence@int8,nightjar:3@int8,adaspec:3@int8,dsd:3@pld,"
+                "hedgespec:2@pool,ucb:2@pool,exp3:2@pool,fixed:4@hier")
+
+
+def test_every_method_by_name_is_greedy_identical(tmp_path):
+    summary = humaneval.main(["--target", "tiny-random", "--limit", "1", "--n", "1", "--k", "1", "--temperature", "0",
+                              "--max-new-tokens", "10", "--out", str(tmp_path), "--methods", EVERY_METHOD])
+    assert list(summary["methods"]) == EVERY_METHOD.split(",")
+    for name, row in summary["methods"].items():
+        if name != "plain":
+            assert row["identity"] == {"identical": 1, "near_tie": 0, "other": 0}, name
+            assert row["mean_accepted_tokens"] is not None, name
+    assert (tmp_path / "profile-int8-b1.json").exists() and (tmp_path / "profile-pld-b1.json").exists()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("plain,fixed@nowhere", "drafter one of draft, pld"),
+    ("turbo@draft", "policy one of fixed, hf-heuristic"),
+    ("fixed:x@pld", "':k' takes an integer >= 1"),
+    ("confidence:3@pld", "':k' takes an integer >= 1"),
+    ("hedgespec@pld", "choose among the drafters of @pool"),
+    ("nightjar@pool", "choose among the drafters of @pool"),
+    ("plain,plain", "listed twice"),
+    (" , ", "no method given"),
+])
+def test_method_names_are_checked(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        methods.parse_methods(text)
+
+
+def test_method_names_parse():
+    parsed = methods.parse_methods("plain, fixed:5@draft,nightjar@draft,hedgespec:3@pool")
+    assert [(m.policy, m.drafter, m.k) for m in parsed] == [
+        (None, None, None), ("fixed", "draft", 5), ("nightjar", "draft", None), ("hedgespec", "pool", 3)]
+    assert methods.parse_pool("draft, pld") == ("draft", "pld")
+    for bad in ("pld", "pld,pld", "pld,hier"):
+        with pytest.raises(ValueError, match="--pool"):
+            methods.parse_pool(bad)
+
+
+def test_kill_9_loses_no_finished_sample(tmp_path):
+    """A run killed with SIGKILL mid-write keeps every finished sample; the rerun completes the rest
+    with the same seeded samples."""
+    argv = [*TINY, "--limit", "6", "--out", str(tmp_path), "--methods", "plain,fixed@pld"]
+    samples = tmp_path / "samples.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "eval" / "humaneval.py"), *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None and \
+            (not samples.exists() or samples.read_bytes().count(b"\n") < 3):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    complete = lambda: [json.loads(x) for x in samples.read_text().splitlines()  # noqa: E731
+                        if x.startswith("{") and x.endswith("}")]
+    before = complete()
+    assert 3 <= len(before) < 24, "the kill should land mid-run"
+    humaneval.main(argv)
+    after = {(r["method"], r["task_id"], r["sample"]): r for r in complete()}
+    assert len(after) == 24 and len(complete()) == 24     # nothing lost, nothing twice
+    for r in before:
+        assert after[(r["method"], r["task_id"], r["sample"])]["completion"] == r["completion"]
