@@ -1,6 +1,8 @@
 """`enable(model)`: route `model.generate(..., assistant_models=..., spec_policy=...)` to hf_specdec.
 
-Calls without those kwargs go to the original `generate` untouched. Transformers does not hand
+Transformers' own `assistant_model=` / `prompt_lookup_num_tokens=` (and the assisted fields of the
+generation config) are mapped onto those first (`assisted.py`), at any batch size. Calls without
+any of them go to the original `generate` untouched. Transformers does not hand
 `streamer`, `tokenizer` or `stop_strings` to a `custom_generate` callable, so the wrapper
 translates them (streamer -> spec_streamer, stop strings -> a StopStringCriteria).
 """
@@ -11,6 +13,7 @@ import functools
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from . import assisted
 from .generate import check_spec_args
 from .generate import generate as spec_generate
 
@@ -19,7 +22,8 @@ _ATTR = "_hf_specdec_original_generate"
 
 
 def enable(model):
-    """Make `model.generate` accept `assistant_models=` / `spec_policy=`. Returns `model`."""
+    """Make `model.generate` accept `assistant_models=` / `spec_policy=`, and run Transformers'
+    `assistant_model=` / `prompt_lookup_num_tokens=` through the same batched loop. Returns `model`."""
     if hasattr(model, _ATTR):
         return model
     # an instance-level generate (e.g. from a custom_generate repo) is kept and restored by disable
@@ -28,6 +32,9 @@ def enable(model):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        after = None
+        if assisted.wants_assisted(model, kwargs):      # Transformers' own arguments, batched
+            kwargs, after = assisted.translate(model, kwargs)
         if not any(name in kwargs for name in _SPEC_KWARGS):
             return original(*args, **kwargs)
         # fail before generate() prepares anything (for encoder-decoders it would run the encoder)
@@ -44,7 +51,10 @@ def enable(model):
             criteria.append(StopStringCriteria(tokenizer, stop_strings))
             kwargs["stopping_criteria"] = criteria
         kwargs["custom_generate"] = spec_generate
-        return original(*args, **kwargs)
+        out = original(*args, **kwargs)
+        if after is not None:
+            after()
+        return out
 
     model.generate = generate
     return model

@@ -19,26 +19,34 @@ class FixedLength(LengthPolicy):
 
 
 class HFHeuristic(LengthPolicy):
-    """Transformers' "heuristic" schedule: +2 after a step whose drafts were all accepted, else -1
-    (never below 1). A batch grows only when every row accepted everything. The length carries
-    over between calls, as it does on Transformers' assistant."""
+    """Transformers' "heuristic" schedule: +2 after a step in which every row accepted all its
+    drafts, else -1 (never below 1). The length carries over between calls, as it does on
+    Transformers' assistant. threshold > 0 adds Transformers' confidence stop (a row stops drafting
+    after a token whose draft probability is below it), as its assistant applies both."""
 
-    def __init__(self, initial: int = 20):
+    def __init__(self, initial: int = 20, threshold: float = 0.0):
         if non_negative_int(initial, "HFHeuristic(initial)") < 1:
             raise ValueError(f"HFHeuristic(initial) must be >= 1, got {initial}")
-        self.k = initial
+        self.k, self.threshold = initial, probability(threshold, "HFHeuristic(threshold)")
 
     def choose(self, ctx: StepContext) -> int:
         return self.k
 
+    def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
+        return [row[-1] >= self.threshold for row in confidences]
+
+    def drafting_hooks(self) -> tuple[bool, bool]:
+        return self.threshold > 0, False     # no confidence stop: no host sync per draft token
+
     def observe(self, record: StepRecord) -> None:
         if record.k == 0:
             return
-        full = all(a == p and p == record.k for a, p in zip(record.accepted, record.proposed))
+        # as Transformers: every candidate drafted was accepted (fewer than k after a confidence stop)
+        full = all(0 < p == a for a, p in zip(record.accepted, record.proposed))
         self.k = self.k + 2 if full else max(1, self.k - 1)
 
     def __repr__(self):
-        return f"HFHeuristic(k={self.k})"
+        return f"HFHeuristic(k={self.k}" + (f", threshold={self.threshold})" if self.threshold else ")")
 
 
 class ConfidenceThreshold(LengthPolicy):

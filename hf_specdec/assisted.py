@@ -1,0 +1,136 @@
+"""Transformers' own assisted-generation arguments, run through hf_specdec's batched loop.
+
+    hf_specdec.enable(model)
+    model.generate(**inputs, assistant_model=draft)               # any batch size
+    model.generate(**inputs, prompt_lookup_num_tokens=3)
+    model.generate(**inputs, assistant_model=draft, num_assistant_tokens=5,
+                   num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0.0)
+
+Where a setting is read: the call (a keyword or `generation_config=`), else the assistant's
+generation config, else the target's. Transformers itself reads num_assistant_tokens,
+num_assistant_tokens_schedule and assistant_confidence_threshold from the assistant's config only
+(it ignores them on the call); a value given on the call is what the user asked for, so it wins
+here. When none of the three is set anywhere, the policy is "auto"; when any is, the others take
+Transformers' defaults (20 tokens, "constant", threshold 0.4) and the schedule maps as follows:
+
+    constant                         FixedLength(n), or ConfidenceThreshold(threshold, max_len=n)
+    heuristic, heuristic_transient   HFHeuristic(n, threshold): +2 after a fully accepted step, else -1
+    prompt_lookup_num_tokens=n       PromptLookupDrafter(max_ngram=max_matching_ngram_size or 2), FixedLength(n)
+
+With "heuristic" the length reached is written back to the assistant's generation config after the
+call, so the next call starts from it, as in Transformers; "heuristic_transient" starts afresh.
+Transformers also re-fits the threshold online when scikit-learn is installed; here it stays fixed.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from transformers import GenerationConfig
+
+from .drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from .policies import ConfidenceThreshold, FixedLength, HFHeuristic
+from .policies.base import non_negative_int, probability
+
+logger = logging.getLogger(__name__)
+SCHEDULE_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.4}   # Transformers' (GenerationConfig's global defaults)
+
+
+def wants_assisted(model, kwargs: dict) -> bool:
+    """Whether a generate() call asks for Transformers' assisted generation."""
+    return kwargs.get("assistant_model") is not None or \
+        _setting("prompt_lookup_num_tokens", kwargs, kwargs.get("generation_config"), model.generation_config) is not None
+
+
+def translate(model, kwargs: dict) -> tuple[dict, object]:
+    """A generate() call's kwargs with Transformers' assisted arguments replaced by
+    `assistant_models=` / `spec_policy=` (those, when given, win). Also returns what to do after
+    the call: `write_back(policy)` for the "heuristic" schedule, else None."""
+    kwargs = dict(kwargs)
+    assistant = kwargs.pop("assistant_model", None)
+    call_config = kwargs.get("generation_config")
+    settings = {name: _setting(name, kwargs, call_config, _config_of(assistant), model.generation_config)
+                for name in SCHEDULE_FIELDS + LOOKUP_FIELDS}
+    for name in SCHEDULE_FIELDS + LOOKUP_FIELDS:
+        kwargs.pop(name, None)
+    config = call_config or model.generation_config
+    if config.prompt_lookup_num_tokens is not None:
+        # generate() must not see it, or it would pick its own (batch-1) assisted mode
+        kwargs = _without_lookup(config, kwargs)
+    after = None
+    if "assistant_models" in kwargs:
+        if assistant is not None:
+            logger.warning("assistant_model= is ignored: assistant_models= is given as well")
+    else:
+        kwargs["assistant_models"], policy, after = _drafters_and_policy(assistant, settings)
+        if "spec_policy" not in kwargs and policy is not None:
+            kwargs["spec_policy"] = policy
+        elif "spec_policy" in kwargs:
+            after = None
+    return kwargs, after
+
+
+def _drafters_and_policy(assistant, settings: dict):
+    lookup = settings["prompt_lookup_num_tokens"]
+    if lookup is not None:
+        if assistant is not None:
+            raise ValueError("give assistant_model= or prompt_lookup_num_tokens=, not both (Transformers would use "
+                             "prompt lookup only); for both, pass assistant_models=[draft, "
+                             "hf_specdec.PromptLookupDrafter()]")
+        if non_negative_int(lookup, "prompt_lookup_num_tokens") < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {lookup}")
+        ngram = settings["max_matching_ngram_size"] or 2
+        if non_negative_int(ngram, "max_matching_ngram_size") < 1:
+            raise ValueError(f"max_matching_ngram_size must be >= 1, got {ngram}")
+        return [PromptLookupDrafter(max_ngram=ngram)], FixedLength(lookup), None
+    drafters = list(assistant) if isinstance(assistant, (list, tuple)) else [assistant]
+    if not drafters:
+        raise ValueError("assistant_model is an empty list; give a model, a drafter or a list of them")
+    if all(settings[name] is None for name in SCHEDULE_FIELDS):
+        return drafters, None, None      # nothing configured: the default policy
+    n, schedule, threshold = (DEFAULTS[name] if settings[name] is None else settings[name] for name in SCHEDULE_FIELDS)
+    if non_negative_int(n, "num_assistant_tokens") < 1:
+        raise ValueError(f"num_assistant_tokens must be >= 1, got {n}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    probability(threshold, "assistant_confidence_threshold")
+    if schedule == "constant":
+        policy = FixedLength(n) if threshold == 0 else ConfidenceThreshold(threshold, max_len=n)
+        return drafters, policy, None
+    policy = HFHeuristic(n, threshold=threshold)
+    configs = [_config_of(d) for d in drafters]
+
+    def write_back(policy=policy):
+        for config in configs:
+            if config is not None:
+                config.num_assistant_tokens = policy.k
+    return drafters, policy, write_back if schedule == "heuristic" else None
+
+
+def _setting(name: str, kwargs: dict, *configs):
+    """The first value set: the call's keyword, then each config in turn (None: unset)."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    return next((getattr(c, name) for c in configs if c is not None and getattr(c, name, None) is not None), None)
+
+
+def _config_of(assistant) -> GenerationConfig | None:
+    """The generation config of a single assistant (a model or a ModelDrafter); None otherwise."""
+    model = assistant.model if isinstance(assistant, ModelDrafter) else assistant
+    if isinstance(model, torch.nn.Module) and not isinstance(model, Drafter):
+        return getattr(model, "generation_config", None)
+    return None
+
+
+def _without_lookup(config: GenerationConfig, kwargs: dict) -> dict:
+    """The call's kwargs with `generation_config=` a copy of `config` without prompt lookup, the
+    call's generation settings merged into it (generate() warns when given both)."""
+    config = copy.deepcopy(config)
+    config.prompt_lookup_num_tokens = None
+    rest = config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return {**rest, "generation_config": config}
