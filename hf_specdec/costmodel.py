@@ -161,13 +161,14 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
 def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths: Sequence[int] = (1, 3, 5, 8),
             contexts: Sequence[int] = (32, 128, 256), lags: Sequence[int] = (1, 4, 16, 64),
             repeats: int = 3, progress: bool = True) -> CostProfile:
-    """Measure forward times of `target` and `draft` (torch modules, same vocabulary) over batch
-    sizes x tokens per row x context lengths, fit a LatencyModel to each, and tabulate the draft's
-    catch-up time C(L, B) at the shortest context."""
+    """Measure forward times of `target` and `draft` (torch modules, same vocabulary; None: a
+    drafter without a model, which costs nothing) over batch sizes x tokens per row x context
+    lengths, fit a LatencyModel to each, and tabulate the draft's catch-up time C(L, B) at the
+    shortest context. `meta` names the models (`model_key`)."""
     import torch
     from tqdm.auto import tqdm
 
-    vocab = min(target.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size)
+    vocab = min(m.config.get_text_config().vocab_size for m in (target, draft) if m is not None)
     longest = max(contexts) + max(max(widths), max(lags))
     grid = [(b, c) for b in batch_sizes for c in contexts]
     samples = {"target": [], "draft": []}
@@ -175,16 +176,50 @@ def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths
     device = next(target.parameters()).device
     for b, c in tqdm(grid, desc="profiling", disable=not progress):
         ids = torch.randint(3, vocab, (b, longest), generator=torch.Generator().manual_seed(b * 1000 + c)).to(device)
-        for name, model in (("target", target), ("draft", draft)):
+        for name, model in (("target", target), ("draft", draft)) if draft is not None else (("target", target),):
             measure = list(widths) + (list(lags) if name == "draft" and c == min(contexts) else [])
             seconds = _time_forwards(model, ids, c, measure, repeats)
             samples[name] += [(b * c, b * w, t, w > 1) for w, t in zip(widths, seconds)]
             switch.update({(lag, b): t for lag, t in zip(lags, seconds[len(widths):])})
     table = SwitchCostTable(sorted(lags), sorted(batch_sizes),
-                            [[switch[lag, b] for b in sorted(batch_sizes)] for lag in sorted(lags)])
-    meta = {"batch_sizes": list(batch_sizes), "widths": list(widths), "contexts": list(contexts),
+                            [[switch.get((lag, b), 0.0) for b in sorted(batch_sizes)] for lag in sorted(lags)])
+    meta = {"target": model_key(target), "draft": None if draft is None else model_key(draft),
+            "batch_sizes": list(batch_sizes), "widths": list(widths), "contexts": list(contexts),
             "repeats": repeats, "device": str(device), "samples": samples}
-    return CostProfile(LatencyModel.fit(samples["target"]), LatencyModel.fit(samples["draft"]), table, meta)
+    draft_model = LatencyModel.fit(samples["draft"]) if draft is not None else LatencyModel(0.0, 0.0, 0.0)
+    return CostProfile(LatencyModel.fit(samples["target"]), draft_model, table, meta)
+
+
+def model_key(model) -> str:
+    """What a profile was measured on: checkpoint, class, dtype, device and a digest of the config."""
+    import hashlib
+    param = next(model.parameters())
+    config = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    name = getattr(model.config, "_name_or_path", "") or "unnamed"
+    return f"{name}|{type(model).__name__}|{param.dtype}|{param.device}|{config}"
+
+
+def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None = None) -> CostProfile:
+    """The profile of `target` with `draft` (None: a drafter without a model) at batch sizes 1, 2,
+    4, ... up to `batch_size`'s power of two: read from `cache_dir` (default
+    <HF_SPECDEC_CACHE>/profiles) when measured before, else measured now (a few forwards per batch
+    size and width) and saved there."""
+    import hashlib
+    import logging
+
+    from .embedded import cache_dir as default_cache
+    sizes = [1 << i for i in range((max(batch_size, 1) - 1).bit_length() + 1)]
+    key = "\n".join([model_key(target), "none" if draft is None else model_key(draft), str(sizes)])
+    path = Path(cache_dir or default_cache() / "profiles") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if path.exists():
+        return CostProfile.load(path)
+    logging.getLogger(__name__).info("profiling the target%s at batch sizes %s for the length policy (once: "
+                                     "cached in %s)", "" if draft is None else " and the draft", sizes, path)
+    prof = profile(target, draft, sizes, widths=(1, 3, 5, 8), contexts=(64, 256), lags=(1, 4, 16, 64),
+                   repeats=2, progress=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(path)
+    return prof
 
 
 def profile_prefill(model, lengths: Sequence[int] = (16, 64, 128, 256), repeats: int = 3) -> LatencyModel:

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from . import _compat
+from . import _compat, costmodel
 from . import verify as verify_module
 from .cached_model import CachedModel
 from .drafters import Drafter, ModelDrafter, Proposal, as_drafter, output_vocab_size
 from .offload import RESIDENT
-from .policies import SpecPolicy, StepContext, resolve_policy
+from .policies import SpecPolicy, StepContext, auto_policy, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
 from .sequences import SequenceBatch
@@ -42,7 +43,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     """Speculative decoding as `model.generate(custom_generate=hf_specdec.generate, ...)`.
 
     assistant_models: list of Transformers causal LMs (same vocabulary as `model`) or Drafters.
-    spec_policy: SpecPolicy / LengthPolicy / "fixed[:k]" / None (FixedLength(4), first drafter).
+    spec_policy: SpecPolicy / LengthPolicy / DrafterSelector / a name ("fixed:4", "adaspec", ...) /
+        None or "auto" (`hf_specdec.policies.auto_policy`, one per target and drafters, kept across calls).
     spec_generator: torch.Generator for every random draw (default: torch's global RNG).
     spec_streamer: a streamer (Transformers does not forward `streamer` to custom callables;
         `hf_specdec.enable` maps `streamer=` here for you).
@@ -68,6 +70,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
         drafter.begin(batch, sampler)
     if policy.offload is not None:
         policy.offload.begin(drafters, batch)
+    ensure_profile(policy, model, drafters, input_ids.shape[0])
 
     loop = _Loop(batch, target, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
     stats = loop.run()
@@ -372,18 +375,44 @@ def _per_row_choice(drafter, n: int, num_drafters: int) -> list[int]:
     return choice
 
 
+# target -> {identities of its assistant_models: the "auto" policy}: it learns across calls
+_AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
     """Validate the target, `assistant_models` and `spec_policy`; (drafters, policy)."""
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only targets; got an encoder-decoder model "
                          f"({type(model).__name__})")
-    drafters, policy = _check_drafters(model, assistant_models), resolve_policy(spec_policy)
+    drafters = _check_drafters(model, assistant_models)
+    if spec_policy is None or spec_policy == "auto":
+        scorable = all(type(d).replay is not Drafter.replay for d in drafters)
+        known = _AUTO_POLICIES.setdefault(model, {})
+        policy = known.setdefault(tuple(map(id, assistant_models)), auto_policy(len(drafters), scorable))
+    else:
+        policy = resolve_policy(spec_policy)
+    measured = getattr(policy.length, "profile", None)
+    if measured is not None and measured.meta.get("target") not in (None, costmodel.model_key(model)):
+        raise ValueError(f"{policy.length!r} holds a cost profile measured on {measured.meta['target']!r}, not on "
+                         f"this target ({costmodel.model_key(model)!r}); profile this target (python -m hf_specdec "
+                         "profile) or give the policy no profile to have it measured")
     if policy.wants_feedback(0) or policy.selector.prompt_positions:
         blind = [i for i, d in enumerate(drafters) if type(d).replay is Drafter.replay]
         if blind:
             raise ValueError(f"{policy.selector!r} scores every drafter, but assistant_models{blind} do not "
                              "implement Drafter.replay; use a selector without full-information feedback")
     return drafters, policy
+
+
+def ensure_profile(policy: SpecPolicy, model, drafters: list[Drafter], batch_size: int) -> None:
+    """A length policy made without a cost profile (AdaSpec(), DSDGoodput(), "adaspec") gets the
+    cached one of this target and its costliest draft model, measured now if never before."""
+    length = policy.length
+    if getattr(length, "use_profile", None) is None or length.profile is not None:
+        return
+    models = [m for d in drafters for m in d.models()]
+    draft = max(models, key=lambda m: sum(p.numel() for p in m.parameters())) if models else None
+    length.use_profile(costmodel.cached_profile(model, draft, batch_size))
 
 
 def _check_drafters(model, assistant_models) -> list[Drafter]:

@@ -44,8 +44,21 @@ def test_output_types_follow_generate():
 
 
 def test_policy_shortcuts():
-    assert resolve_policy(None).length.k == 4
+    for auto in (resolve_policy(None), resolve_policy("auto")):
+        assert isinstance(auto.length, hf_specdec.Nightjar) and isinstance(auto.selector, hf_specdec.FixedDrafter)
+    assert isinstance(resolve_policy(None, num_drafters=3).selector, hf_specdec.HedgeSpec)
+    assert isinstance(resolve_policy(None, num_drafters=3, full_information=False).selector, hf_specdec.FixedDrafter)
     assert resolve_policy("fixed").length.k == 4
+    named = {"nightjar:5": (hf_specdec.Nightjar, "max_len", 5), "adaspec:6": (hf_specdec.AdaSpec, "max_len", 6),
+             "dsd": (hf_specdec.DSDGoodput, "max_len", 8), "hf-heuristic:3": (hf_specdec.HFHeuristic, "k", 3),
+             "confidence": (hf_specdec.ConfidenceThreshold, "threshold", 0.4)}
+    for name, (cls, attr, value) in named.items():
+        length = resolve_policy(name).length
+        assert isinstance(length, cls) and getattr(length, attr) == value, name
+    assert isinstance(resolve_policy("ucb").selector, hf_specdec.UCBSpec)
+    for bad, message in (("turbo", "known: auto, fixed"), ("confidence:3", "takes no"), ("fixed:x", "integer")):
+        with pytest.raises(ValueError, match=message):
+            resolve_policy(bad)
     assert resolve_policy("fixed:7").length.k == 7
     assert resolve_policy(hf_specdec.FixedLength(2)).length.k == 2
     p = hf_specdec.SpecPolicy(selector=hf_specdec.FixedDrafter(1), length=hf_specdec.FixedLength(0))

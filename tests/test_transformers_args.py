@@ -145,3 +145,30 @@ def test_bad_assisted_arguments_fail_before_any_work(pair, extra, message):
     with pytest.raises(ValueError, match=message):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, **kw)
     assert not forwards and draft.generation_config.num_assistant_tokens == 5
+
+
+def test_adaspec_and_dsd_profile_their_pair_once(pair, tmp_path, monkeypatch, caplog):
+    """By name, without a profile: measured the first time the pair meets, cached on disk, reused."""
+    from hf_specdec import costmodel
+    target, draft = pair
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+    measured = []
+    real_profile = costmodel.profile
+    monkeypatch.setattr(costmodel, "profile", lambda *a, **k: measured.append(a[2]) or real_profile(*a, **k))
+    ids, mask = prompts(2, seed=7)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    plain = target.generate(**kw)
+    hf_specdec.enable(target)
+    with caplog.at_level("INFO", logger="hf_specdec.costmodel"):
+        for name in ("adaspec", "dsd", "adaspec:4"):
+            assert_same(target.generate(**kw, assistant_models=[draft], spec_policy=name), plain)
+    assert measured == [[1, 2]]                       # once, at batch sizes up to 2
+    assert "profiling the target and the draft" in caplog.text
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    target.generate(**kw, assistant_models=[hf_specdec.PromptLookupDrafter()], spec_policy="dsd")
+    assert measured == [[1, 2], [1, 2]]               # a lookup drafter: the target alone, another entry
+
+    other = build("llama", 3, seed=5)      # another architecture (weights alone do not change latency)
+    foreign = costmodel.cached_profile(other, None, 1)
+    with pytest.raises(ValueError, match="measured on"):
+        target.generate(**kw, assistant_models=[draft], spec_policy=hf_specdec.AdaSpec(foreign))

@@ -34,8 +34,31 @@ def _as_profile(cost_model) -> CostProfile:
         return cost_model
     if isinstance(cost_model, (str, Path)):
         return CostProfile.load(cost_model)
-    raise TypeError(f"cost_model must be a CostProfile or the path of a profile JSON "
-                    f"(python -m hf_specdec profile ...), got {type(cost_model).__name__}")
+    raise TypeError(f"cost_model must be a CostProfile, the path of a profile JSON (python -m hf_specdec "
+                    f"profile ...) or None (measured on first use), got {type(cost_model).__name__}")
+
+
+class _Profiled(LengthPolicy):
+    """A length policy that weighs a latency model: from a CostProfile (or its JSON path) given,
+    or, with None, measured by generate() the first time the policy meets its models
+    (`hf_specdec.costmodel.cached_profile`, cached on disk)."""
+
+    def _use(self, cost_model, slo_tpot) -> None:
+        _check_slo(slo_tpot)
+        self.slo_tpot = slo_tpot
+        self.model = None if cost_model is None else _GoodputModel(_as_profile(cost_model), slo_tpot)
+
+    @property
+    def profile(self) -> CostProfile | None:
+        return None if self.model is None else self.model.profile
+
+    def use_profile(self, profile) -> None:
+        self.model = _GoodputModel(_as_profile(profile), self.slo_tpot)
+
+
+def _check_slo(slo_tpot) -> None:
+    if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float)) or slo_tpot <= 0):
+        raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
 
 
 class _GoodputModel:
@@ -51,9 +74,6 @@ class _GoodputModel:
     verification side."""
 
     def __init__(self, profile: CostProfile, slo_tpot: float | None):
-        if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float))
-                                     or slo_tpot <= 0):
-            raise ValueError(f"slo_tpot must be a number of seconds > 0 or None, got {slo_tpot!r}")
         self.profile, self.slo_tpot = profile, slo_tpot
         self.ratio: dict[int, tuple[float, int, int]] = {}   # bucket -> (plain steps' measured / modelled, steps, clock)
         # bucket -> (drafting steps' excess seconds, steps, clock): of verifying, and of drafting
@@ -212,8 +232,8 @@ class Calibration:
             self.all_accepted += j < accepted
 
 
-class AdaSpec(LengthPolicy):
-    """cost_model: a CostProfile or a profile JSON path; max_len: most drafts per step;
+class AdaSpec(_Profiled):
+    """cost_model: a CostProfile, a profile JSON path, or None (measured on first use); max_len: most drafts per step;
     slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the guess for a
     draft token's acceptance before any was seen; calibrate: map confidence to acceptance with
     a `Calibration` learned online, its AR corrected by the drafts measured to pass (False: the
@@ -227,14 +247,14 @@ class AdaSpec(LengthPolicy):
     probe_budget: once sure, the share of the plain steps' time that the probes may lose (unsure:
     at most drafting's optimistic gain)."""
 
-    def __init__(self, cost_model, max_len: int = 8, slo_tpot: float | None = None,
+    def __init__(self, cost_model=None, max_len: int = 8, slo_tpot: float | None = None,
                  prior_confidence: float = 0.5, calibrate: bool = True, probe_every: int = 8,
                  probe_budget: float = 0.01):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not 0 < prior_confidence <= 1:
             raise ValueError(f"AdaSpec(prior_confidence) must be in (0, 1], got {prior_confidence!r}")
-        self.model = _GoodputModel(_as_profile(cost_model), slo_tpot)
+        self._use(cost_model, slo_tpot)
         self.max_len = max_len
         self.calibration = Calibration() if calibrate else (lambda c: c)
         self.prior_confidence = prior_confidence
@@ -416,18 +436,18 @@ class AdaSpec(LengthPolicy):
         return self.model.best_verification(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)[0]
 
     def __repr__(self):
-        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.model.slo_tpot})"
+        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot})"
 
 
-class DSDGoodput(LengthPolicy):
+class DSDGoodput(_Profiled):
     """argmax_k of predicted goodput with AR_i = alpha^i, alpha = accepted / proposed so far
     (exponential moving average with weight `smoothing` per step)."""
 
-    def __init__(self, cost_model, max_len: int = 8, prior_acceptance: float = 0.7, smoothing: float = 0.1):
+    def __init__(self, cost_model=None, max_len: int = 8, prior_acceptance: float = 0.7, smoothing: float = 0.1):
         if non_negative_int(max_len, "DSDGoodput(max_len)") < 1:
             raise ValueError(f"DSDGoodput(max_len) must be >= 1, got {max_len}")
         probability(prior_acceptance, "DSDGoodput(prior_acceptance)")
-        self.model = _GoodputModel(_as_profile(cost_model), None)
+        self._use(cost_model, None)
         self.max_len, self.alpha, self.smoothing = max_len, prior_acceptance, smoothing
         self.context = 0   # the current step's context tokens
 

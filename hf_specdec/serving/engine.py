@@ -22,7 +22,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from ..cached_model import CachedModel
 from ..drafters import Drafter
-from ..generate import _Loop, check_spec_args
+from ..generate import _Loop, check_spec_args, ensure_profile
 from ..offload import RESIDENT
 from ..policies import StepContext
 from ..sampling import TokenSampler
@@ -60,6 +60,7 @@ class Engine:
             raise ValueError(f"assistant_models{stuck} cannot take requests mid-run; the engine runs model "
                              "drafters (ModelDrafter, plain causal LMs) and lookup drafters")
         self.max_batch, self.max_prompt_len, self.eos_token_id = max_batch, max_prompt_len, eos_token_id
+        ensure_profile(self.policy, model, self.drafters, max_batch)
         pad = model.generation_config.pad_token_id
         self.pad = int(pad if pad is not None else 0)
 

@@ -175,6 +175,8 @@ class Simulator:
             raise TypeError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
         self.prefill = prefill or profile.target
         self.profile, self.policy = profile, resolve_policy(policy)
+        if getattr(self.policy.length, "use_profile", None) and self.policy.length.profile is None:
+            self.policy.length.use_profile(profile)      # AdaSpec() / DSDGoodput(): the simulated pair's
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
         self.memory = memory
