@@ -33,7 +33,7 @@ def test_smollm2_bf16_drafter_agrees_and_stop_strings_work(setup):
     inputs = tokenizer(PROMPTS[:1], return_tensors="pt")
     kwargs = dict(**inputs, max_new_tokens=40, do_sample=False, stop_strings=["return"], tokenizer=tokenizer)
     plain = model.generate(**kwargs)
-    out = model.generate(**kwargs, assistant_models=[hf_specdec.self_draft(model, "bf16")],
+    out = model.generate(**kwargs, assistant_models=[hf_specdec.self_draft(model, "bf16")], spec_policy="fixed:4",
                          return_dict_in_generate=True)
     assert_same(out.sequences, plain)
     assert out.spec_stats.acceptance_rate > 0.8          # a bf16 copy agrees with its fp32 original
@@ -44,6 +44,6 @@ def test_smollm2_sampling_runs_and_is_seeded(setup):
     model, tokenizer = setup
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     runs = [model.generate(**inputs, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.95,
-                           assistant_models=[hf_specdec.PromptLookupDrafter()],
+                           assistant_models=[hf_specdec.PromptLookupDrafter()], spec_policy="fixed:4",
                            spec_generator=torch.Generator().manual_seed(3)) for _ in range(2)]
     assert_same(runs[0], runs[1])
