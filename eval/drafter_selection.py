@@ -46,6 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 import hf_specdec
+from hf_specdec.policies import EXP3Spec, UCBSpec
 from identity import compare_rows, counts   # eval/ is on sys.path when run as a script
 from report import write_results
 from spec_bench import SOURCE as SPEC_BENCH, chat_text
@@ -101,8 +102,8 @@ def methods_for(pools: dict, main: int, ablations: bool) -> list[Method]:
                     Method("hedgespec-cost", 5, lambda: hf_specdec.HedgeSpec(cost_aware=True, seed=0)),
                     Method("hedgespec-every2", 5, lambda: hf_specdec.HedgeSpec(feedback_every=2, seed=0)),
                     Method("hedgespec-every4", 5, lambda: hf_specdec.HedgeSpec(feedback_every=4, seed=0))]
-        out += [Method(f"ucb{tag}", n, lambda: hf_specdec.UCBSpec()),
-                Method(f"exp3{tag}", n, lambda: hf_specdec.EXP3Spec(seed=0))]
+        out += [Method(f"ucb{tag}", n, lambda: UCBSpec()),
+                Method(f"exp3{tag}", n, lambda: EXP3Spec(seed=0))]
     return out
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+from hf_specdec.policies import EXP3Spec, UCBSpec
 
 LENGTH_POLICIES = ("fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
 SELECTORS = ("hedgespec", "ucb", "exp3")
@@ -147,8 +148,8 @@ class MethodFactory:
     def _make_policy(self, m: Method):
         k = m.k
         if m.policy in SELECTORS:
-            selector = {"hedgespec": lambda: hf_specdec.HedgeSpec(seed=0), "ucb": lambda: hf_specdec.UCBSpec(seed=0),
-                        "exp3": lambda: hf_specdec.EXP3Spec(seed=0)}[m.policy]()
+            selector = {"hedgespec": lambda: hf_specdec.HedgeSpec(seed=0), "ucb": lambda: UCBSpec(seed=0),
+                        "exp3": lambda: EXP3Spec(seed=0)}[m.policy]()
             return hf_specdec.SpecPolicy(selector=selector, length=hf_specdec.FixedLength(k or 4))
         if m.policy == "fixed":
             return hf_specdec.FixedLength(k or 4)

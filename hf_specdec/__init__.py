@@ -10,16 +10,16 @@ from .drafters import (DatastoreDrafter, Drafter, HierarchicalDrafter, ModelDraf
                        self_draft)
 from .enable import disable, enable
 from .generate import generate
-from .costmodel import CostProfile, LatencyModel, SwitchCostTable
-from .policies import (AdaSpec, ConfidenceThreshold, DSDGoodput, EXP3Spec, FixedDrafter, FixedLength, HedgeSpec,
-                       HFHeuristic, Nightjar, SpecPolicy, UCBSpec)
+from .costmodel import CostProfile
+from .policies import (AdaSpec, ConfidenceThreshold, DSDGoodput, FixedDrafter, FixedLength, HedgeSpec, HFHeuristic,
+                       Nightjar, SpecPolicy)
 from .offload import DraftOffload
-from .stats import SpecStats, StepRecord
-from .verify import VerifyResult, verify
+from .stats import SpecStats
 
+# what users call; research baselines and internals stay in their modules (hf_specdec.policies.UCBSpec,
+# hf_specdec.verify.verify, hf_specdec.costmodel.LatencyModel, ...)
 __all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold",
-           "Nightjar", "AdaSpec", "DSDGoodput", "CostProfile", "LatencyModel", "SwitchCostTable", "FixedDrafter", "HedgeSpec",
-           "UCBSpec", "EXP3Spec", "Drafter", "ModelDrafter", "PromptLookupDrafter", "DatastoreDrafter",
-           "HierarchicalDrafter", "chain", "DraftOffload", "self_draft", "SpecStats", "StepRecord", "verify",
-           "VerifyResult"]
+           "Nightjar", "AdaSpec", "DSDGoodput", "HedgeSpec", "FixedDrafter", "Drafter", "ModelDrafter",
+           "PromptLookupDrafter", "DatastoreDrafter", "HierarchicalDrafter", "chain", "self_draft", "DraftOffload",
+           "SpecStats", "CostProfile"]
 __version__ = "0.1.0"

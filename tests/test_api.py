@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.policies import resolve_policy
+from hf_specdec.policies import UCBSpec, resolve_policy
+from hf_specdec.verify import verify
 from helpers import assert_same
 from hf_specdec.testing import build, prompts
 
@@ -55,7 +56,7 @@ def test_policy_shortcuts():
     for name, (cls, attr, value) in named.items():
         length = resolve_policy(name).length
         assert isinstance(length, cls) and getattr(length, attr) == value, name
-    assert isinstance(resolve_policy("ucb").selector, hf_specdec.UCBSpec)
+    assert isinstance(resolve_policy("ucb").selector, UCBSpec)
     for bad, message in (("turbo", "known: auto, fixed"), ("confidence:3", "takes no"), ("fixed:x", "integer")):
         with pytest.raises(ValueError, match=message):
             resolve_policy(bad)
@@ -82,9 +83,9 @@ def scores_from(tokens, vocab=5):
 def test_verify_greedy():
     drafts = torch.tensor([[1, 2, 3], [1, 4, 3]])
     scores = torch.cat([scores_from([1, 2, 3, 4]), scores_from([1, 2, 3, 0])])
-    res = hf_specdec.verify(drafts, torch.tensor([3, 3]), scores, None, do_sample=False)
+    res = verify(drafts, torch.tensor([3, 3]), scores, None, do_sample=False)
     assert res.num_accepted.tolist() == [3, 1] and res.next_tokens.tolist() == [4, 2]
-    res = hf_specdec.verify(drafts, torch.tensor([2, 0]), scores, None, do_sample=False)
+    res = verify(drafts, torch.tensor([2, 0]), scores, None, do_sample=False)
     assert res.num_accepted.tolist() == [2, 0] and res.next_tokens.tolist() == [3, 1]
 
 
@@ -93,12 +94,21 @@ def test_verify_sampling_edge_cases():
     target = torch.log(torch.tensor([[[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]]]).clamp(min=1e-30))  # [1, 2, 3]
     for _ in range(50):
         # p(draft)=1: point-mass draft always accepted, bonus never token 1
-        res = hf_specdec.verify(torch.tensor([[1]]), torch.tensor([1]), target, None, True, gen)
+        res = verify(torch.tensor([[1]]), torch.tensor([1]), target, None, True, gen)
         assert res.num_accepted.item() == 1 and res.next_tokens.item() in (0, 2)
         # p(draft)=0: always rejected, and the replacement is never the rejected token
-        res = hf_specdec.verify(torch.tensor([[0]]), torch.tensor([1]), target, None, True, gen)
+        res = verify(torch.tensor([[0]]), torch.tensor([1]), target, None, True, gen)
         assert res.num_accepted.item() == 0 and res.next_tokens.item() == 1
         # q == p: everything accepted
         q = target[:, :1].softmax(-1)
-        res = hf_specdec.verify(torch.tensor([[1]]), torch.tensor([1]), target, q, True, gen)
+        res = verify(torch.tensor([[1]]), torch.tensor([1]), target, q, True, gen)
         assert res.num_accepted.item() == 1
+
+
+def test_public_surface_is_what_users_call():
+    assert all(hasattr(hf_specdec, name) for name in hf_specdec.__all__)
+    for internal in ("UCBSpec", "EXP3Spec", "VerifyResult", "LatencyModel", "SwitchCostTable", "StepRecord"):
+        assert internal not in hf_specdec.__all__ and not hasattr(hf_specdec, internal), internal
+    from hf_specdec.costmodel import LatencyModel  # noqa: F401  (still importable from their modules)
+    from hf_specdec.policies import EXP3Spec, UCBSpec  # noqa: F401
+    assert callable(verify)

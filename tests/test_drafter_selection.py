@@ -4,6 +4,7 @@ import torch
 
 import hf_specdec
 from helpers import assert_same, spec
+from hf_specdec.policies import EXP3Spec, UCBSpec
 from hf_specdec.testing import VOCAB, build, noisy_copy, prompts
 
 
@@ -26,8 +27,8 @@ SELECTORS = {   # without the prompt warm start, rows start uniform and draw dif
     "cost-aware-skipping": lambda: hf_specdec.HedgeSpec(cost_aware=True, feedback_every=3, warmup_steps=2,
                                                         prompt_positions=0),
     "warm-start": lambda: hf_specdec.HedgeSpec(prompt_positions=4),
-    "ucb": hf_specdec.UCBSpec,
-    "exp3": lambda: hf_specdec.EXP3Spec(seed=2),
+    "ucb": UCBSpec,
+    "exp3": lambda: EXP3Spec(seed=2),
 }
 
 

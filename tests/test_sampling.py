@@ -6,7 +6,7 @@ import torch
 
 import hf_specdec
 import importlib
-from hf_specdec.verify import VerifyResult
+from hf_specdec.verify import VerifyResult, verify
 from helpers import assert_same, spec
 from hf_specdec.testing import build, noisy_copy
 
@@ -46,7 +46,7 @@ def broken_verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sampl
 
 def residual_from_p_verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator=None):
     """Correct accept test, but resamples from p instead of norm(max(0, p - q)) after a rejection."""
-    res = hf_specdec.verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator)
+    res = verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator)
     rows = torch.arange(len(draft_tokens))
     fresh = torch.multinomial(target_scores[rows, res.num_accepted].softmax(-1), 1, generator=generator).squeeze(1)
     rejected = res.num_accepted < draft_lens
