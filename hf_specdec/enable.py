@@ -32,32 +32,38 @@ def enable(model):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        after = None
-        if assisted.wants_assisted(model, kwargs):      # Transformers' own arguments, batched
-            kwargs, after = assisted.translate(model, kwargs)
-        if not any(name in kwargs for name in _SPEC_KWARGS):
-            return original(*args, **kwargs)
-        # fail before generate() prepares anything (for encoder-decoders it would run the encoder)
-        check_spec_args(model, kwargs.get("assistant_models"), kwargs.get("spec_policy"))
-        _check_padding(model, args, kwargs)
-        if kwargs.get("streamer") is not None:
-            kwargs["spec_streamer"] = kwargs.pop("streamer")
-        stop_strings = kwargs.pop("stop_strings", None)
-        tokenizer = kwargs.pop("tokenizer", None)
-        if stop_strings is not None:
-            if tokenizer is None:
-                raise ValueError("stop_strings needs tokenizer= as well, as in plain generate()")
-            criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-            criteria.append(StopStringCriteria(tokenizer, stop_strings))
-            kwargs["stopping_criteria"] = criteria
-        kwargs["custom_generate"] = spec_generate
-        out = original(*args, **kwargs)
-        if after is not None:
-            after()
-        return out
+        return call(model, original, args, kwargs)
 
     model.generate = generate
     return model
+
+
+def call(model, original, args: tuple, kwargs: dict):
+    """One `generate()` call: speculative through our loop when it names drafters (ours or
+    Transformers' arguments), else `original(*args, **kwargs)` untouched."""
+    after = None
+    if assisted.wants_assisted(model, kwargs):      # Transformers' own arguments, batched
+        kwargs, after = assisted.translate(model, kwargs)
+    if not any(kwargs.get(name) is not None for name in _SPEC_KWARGS):
+        return original(*args, **kwargs)
+    # fail before generate() prepares anything (for encoder-decoders it would run the encoder)
+    check_spec_args(model, kwargs.get("assistant_models"), kwargs.get("spec_policy"))
+    _check_padding(model, args, kwargs)
+    if kwargs.get("streamer") is not None:
+        kwargs["spec_streamer"] = kwargs.pop("streamer")
+    stop_strings = kwargs.pop("stop_strings", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs tokenizer= as well, as in plain generate()")
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        kwargs["stopping_criteria"] = criteria
+    kwargs["custom_generate"] = spec_generate
+    out = original(*args, **kwargs)
+    if after is not None:
+        after()
+    return out
 
 
 def disable(model):

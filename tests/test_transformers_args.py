@@ -172,3 +172,22 @@ def test_adaspec_and_dsd_profile_their_pair_once(pair, tmp_path, monkeypatch, ca
     foreign = costmodel.cached_profile(other, None, 1)
     with pytest.raises(ValueError, match="measured on"):
         target.generate(**kw, assistant_models=[draft], spec_policy=hf_specdec.AdaSpec(foreign))
+
+
+def test_custom_generate_folder_loads_by_path(pair):
+    """The Hub convention: custom_generate/generate.py of this checkout, loaded by Transformers."""
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parent.parent)
+    target, draft = pair
+    ids, mask = prompts(3, seed=8)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    plain = target.generate(**kw)
+    out = target.generate(**kw, custom_generate=root, trust_remote_code=True, assistant_models=[draft],
+                          spec_policy="fixed:3", return_dict_in_generate=True)
+    assert_same(out.sequences, plain)
+    assert out.spec_stats.steps[0].k == 3
+    lookup = target.generate(**kw, custom_generate=root, trust_remote_code=True, prompt_lookup_num_tokens=2,
+                             return_dict_in_generate=True)
+    assert_same(lookup.sequences, plain)
+    assert lookup.spec_stats.steps[0].k == 2
+    assert_same(target.generate(**kw, custom_generate=root, trust_remote_code=True), plain)
