@@ -133,3 +133,55 @@ class SpecGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the speculation statistics of the call."""
 
     spec_stats: object | None = None
+
+
+# --- Transformers' own assisted loop (hf_specdec.transformers_loop) ---------------------------
+# `generate()` builds its candidate generator in `_get_candidate_generator` (private) and runs it in
+# `_assisted_decoding`; AssistedCandidateGenerator drafts `num_assistant_tokens` and stops early
+# below `assistant_confidence_threshold`, PromptLookupCandidateGenerator drafts `num_output_tokens`.
+from transformers.generation.candidate_generator import (  # noqa: E402
+    AssistedCandidateGenerator, CandidateGenerator, PromptLookupCandidateGenerator)
+
+
+def own_candidate_generator(model, call: dict, assistant=None, lookup_tokens: int | None = None, ngram: int = 2):
+    """What Transformers would build for this call with `assistant` (a model), or with prompt
+    lookup drafting up to `lookup_tokens` from n-grams up to `ngram`. `call`: the keyword arguments `generate()` passed to
+    `_get_candidate_generator`. Its own schedule and confidence stop are switched off: the caller
+    sets the length every step (`set_candidate_length`)."""
+    import copy
+    config = copy.deepcopy(call["generation_config"])
+    config.prompt_lookup_num_tokens, config.max_matching_ngram_size = lookup_tokens, ngram
+    generator = type(model)._get_candidate_generator(model, **{**call, "generation_config": config,
+                                                              "assistant_model": assistant})
+    if isinstance(generator, AssistedCandidateGenerator):
+        generator.assistant_generation_config.num_assistant_tokens_schedule = "constant"
+        generator.assistant_generation_config.assistant_confidence_threshold = 0.0
+        generator.generation_config.assistant_confidence_threshold = 0.0
+    elif not isinstance(generator, PromptLookupCandidateGenerator):
+        raise ValueError(f"Transformers built a {type(generator).__name__} for this drafter; hf_specdec drives "
+                         "AssistedCandidateGenerator and PromptLookupCandidateGenerator only")
+    return generator
+
+
+def set_candidate_length(generator, k: int) -> None:
+    if isinstance(generator, PromptLookupCandidateGenerator):
+        generator.num_output_tokens = k
+    else:
+        generator.num_assistant_tokens = k
+
+
+@functools.lru_cache(maxsize=None)
+def _candidate_generator_params() -> tuple[str, ...]:
+    return tuple(inspect.signature(transformers.GenerationMixin._get_candidate_generator).parameters)[1:]
+
+
+def run_with_candidate_generator(model, build, generate, *args, **kwargs):
+    """`generate(*args, **kwargs)` (an assisted call) with `build(call)` as its candidate generator,
+    where `call` holds the arguments generate() passes to `_get_candidate_generator`."""
+    def get_candidate_generator(*a, **kw):
+        return build(dict(zip(_candidate_generator_params(), a), **kw))
+    model._get_candidate_generator = get_candidate_generator      # this call only
+    try:
+        return generate(*args, **kwargs)
+    finally:
+        del model._get_candidate_generator

@@ -13,19 +13,27 @@ import functools
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from . import assisted
+from . import assisted, transformers_loop
 from .generate import check_spec_args
 from .generate import generate as spec_generate
 
 _SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator")
 _ATTR = "_hf_specdec_original_generate"
+LOOPS = ("hf_specdec", "transformers")
 
 
-def enable(model):
+def enable(model, loop: str = "hf_specdec"):
     """Make `model.generate` accept `assistant_models=` / `spec_policy=`, and run Transformers'
-    `assistant_model=` / `prompt_lookup_num_tokens=` through the same batched loop. Returns `model`."""
+    `assistant_model=` / `prompt_lookup_num_tokens=` through the same loop. loop: "hf_specdec" (ours,
+    batched) or "transformers" (Transformers' assisted loop, batch 1: encoder-decoder targets,
+    output_scores; `transformers_loop.py`). Returns `model`."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if hasattr(model, _ATTR):
+        if getattr(model, "_hf_specdec_loop", "hf_specdec") != loop:
+            raise ValueError(f"{type(model).__name__} is enabled with another loop; disable(model) first")
         return model
+    model._hf_specdec_loop = loop
     # an instance-level generate (e.g. from a custom_generate repo) is kept and restored by disable
     setattr(model, _ATTR, model.__dict__.get("generate"))
     original = model.generate
@@ -46,6 +54,8 @@ def call(model, original, args: tuple, kwargs: dict):
         kwargs, after = assisted.translate(model, kwargs)
     if not any(kwargs.get(name) is not None for name in _SPEC_KWARGS):
         return original(*args, **kwargs)
+    if getattr(model, "_hf_specdec_loop", "hf_specdec") == "transformers":
+        return transformers_loop.generate(model, original, args, kwargs)
     # fail before generate() prepares anything (for encoder-decoders it would run the encoder)
     check_spec_args(model, kwargs.get("assistant_models"), kwargs.get("spec_policy"))
     _check_padding(model, args, kwargs)
@@ -72,6 +82,7 @@ def disable(model):
         return model
     previous = getattr(model, _ATTR)
     delattr(model, _ATTR)
+    del model._hf_specdec_loop
     if previous is None:
         del model.generate
     else:
