@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -27,6 +29,9 @@ def enable(model, loop: str = "hf_specdec"):
     `assistant_model=` / `prompt_lookup_num_tokens=` through the same loop. loop: "hf_specdec" (ours,
     batched) or "transformers" (Transformers' assisted loop, batch 1: encoder-decoder targets,
     output_scores; `transformers_loop.py`). Returns `model`."""
+    if not callable(getattr(model, "generate", None)) or not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enable(model) takes one Transformers model with generate(), got {type(model).__name__}"
+                        + (" (enable each model of a list in turn)" if isinstance(model, (list, tuple)) else ""))
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if hasattr(model, _ATTR):

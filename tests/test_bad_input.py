@@ -45,7 +45,7 @@ def test_assistant_models_not_a_list(models):
 
 @pytest.mark.parametrize("element", ["gpt2", torch.nn.Linear(3, 3), 42])
 def test_element_neither_model_nor_drafter(models, element):
-    check_error(models, TypeError, r"assistant_models\[1\] must be a Transformers causal LM or an hf_specdec Drafter",
+    check_error(models, TypeError, r"assistant_models\[1\] must be one Transformers causal LM or hf_specdec Drafter",
                 drafters=[models[1], element])
 
 

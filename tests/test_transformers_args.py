@@ -191,3 +191,13 @@ def test_custom_generate_folder_loads_by_path(pair):
     assert_same(lookup.sequences, plain)
     assert lookup.spec_stats.steps[0].k == 2
     assert_same(target.generate(**kw, custom_generate=root, trust_remote_code=True), plain)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda t, d: hf_specdec.enable([t, d]), "enable each model of a list in turn"),
+    (lambda t, d: hf_specdec.ModelDrafter([d]), "for several drafters pass assistant_models"),
+    (lambda t, d: hf_specdec.HierarchicalDrafter([d], d), "HierarchicalDrafter\\(draft\\) must be one"),
+])
+def test_a_list_where_one_model_is_meant(pair, call, message):
+    with pytest.raises(TypeError, match=message):
+        call(*pair)

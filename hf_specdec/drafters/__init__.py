@@ -14,16 +14,17 @@ __all__ = ["Drafter", "LookupDrafter", "Prediction", "Proposal", "ModelDrafter",
            "DatastoreDrafter", "HierarchicalDrafter", "LevelStats", "chain", "self_draft", "as_drafter", "output_vocab_size"]
 
 
-def as_drafter(obj, index: int = 0) -> Drafter:
-    """A drafter object as is; a Transformers causal LM wrapped in a `ModelDrafter`."""
+def as_drafter(obj, index: int = 0, where: str | None = None) -> Drafter:
+    """A drafter object as is; a Transformers causal LM wrapped in a `ModelDrafter`. where: the
+    argument named in errors (default assistant_models[index])."""
+    where = where or f"assistant_models[{index}]"
     if isinstance(obj, Drafter):
         return obj
     is_causal_lm = (isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
                     and callable(getattr(obj, "get_output_embeddings", None))
                     and obj.get_output_embeddings() is not None)
     if not is_causal_lm:
-        raise TypeError(f"assistant_models[{index}] must be a Transformers causal LM or an "
-                        f"hf_specdec Drafter, got {type(obj).__name__}")
+        raise TypeError(f"{where} must be one Transformers causal LM or hf_specdec Drafter, got {type(obj).__name__}")
     if obj.config.is_encoder_decoder:
-        raise TypeError(f"assistant_models[{index}] is an encoder-decoder model; drafters must be decoder-only")
+        raise TypeError(f"{where} is an encoder-decoder model; drafters must be decoder-only")
     return ModelDrafter(obj)

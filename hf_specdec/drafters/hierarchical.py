@@ -49,11 +49,12 @@ class HierarchicalDrafter(Drafter):
 
     def __init__(self, draft, intermediate, draft_len=4, cycles: int = 2, name: str | None = None):
         from . import as_drafter   # (defined in the package that imports this module)
-        self.lower = as_drafter(draft)
+        self.lower = as_drafter(draft, where="HierarchicalDrafter(draft)")
         if isinstance(intermediate, Drafter) and not isinstance(intermediate, ModelDrafter):
             raise TypeError(f"HierarchicalDrafter(intermediate) must be a causal LM: its distribution is the "
                             f"target's proposal, got {type(intermediate).__name__}")
-        self.upper = intermediate if isinstance(intermediate, ModelDrafter) else as_drafter(intermediate)
+        self.upper = intermediate if isinstance(intermediate, ModelDrafter) else \
+            as_drafter(intermediate, where="HierarchicalDrafter(intermediate)")
         if self.lower.vocab_size is not None and self.lower.vocab_size != self.upper.vocab_size:
             raise ValueError(f"HierarchicalDrafter: the draft's vocabulary size {self.lower.vocab_size} differs "
                              f"from the intermediate's {self.upper.vocab_size}")

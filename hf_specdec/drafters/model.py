@@ -19,6 +19,10 @@ def output_vocab_size(model: torch.nn.Module) -> int:
 
 class ModelDrafter(Drafter):
     def __init__(self, model: torch.nn.Module, name: str | None = None):
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"ModelDrafter(model) takes one Transformers causal LM, got {type(model).__name__}"
+                            + ("; for several drafters pass assistant_models=[...]" if isinstance(model, (list, tuple))
+                               else ""))
         self.model = model
         self.runner = CachedModel(model)
         self.name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
