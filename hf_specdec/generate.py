@@ -83,7 +83,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
 class _Loop:
     def __init__(self, batch: SequenceBatch, target: CachedModel, drafters: list[Drafter],
                  policy: SpecPolicy, sampler: TokenSampler, stopping_criteria, freeze_finished, streamer,
-                 static_batch: bool = True):
+                 static_batch: bool = True, timed: bool = False):
         self.static_batch = static_batch       # generate(): rows that finish early wait for the rest
         self.batch, self.target, self.drafters, self.policy = batch, target, drafters, policy
         self.sampler, self.stopping_criteria = sampler, stopping_criteria
@@ -92,7 +92,9 @@ class _Loop:
         self.limit = torch.full((n,), batch.max_length, dtype=torch.long, device=batch.tokens.device)
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
-        self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+        # step phases are timed only for policies that read the times: a sync costs a GPU its queue
+        device = target.device
+        self._sync = (lambda: device_sync(device)) if timed or policy.reads_times else (lambda: None)
         self._controls, self._trims = policy.length.drafting_hooks()
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
@@ -357,6 +359,12 @@ class _Loop:
         self.streamed = max(self.streamed, end)
         if final:
             self.streamer.end()
+
+
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it (CPU: nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _pad_proposal(p: Proposal, width: int) -> Proposal:

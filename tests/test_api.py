@@ -1,4 +1,6 @@
 """enable/disable, policy shortcuts, stats, and the shared verify() on hand-made inputs."""
+import importlib
+
 import pytest
 import torch
 
@@ -112,3 +114,26 @@ def test_public_surface_is_what_users_call():
     from hf_specdec.costmodel import LatencyModel  # noqa: F401  (still importable from their modules)
     from hf_specdec.policies import EXP3Spec, UCBSpec  # noqa: F401
     assert callable(verify)
+
+
+@pytest.mark.parametrize("policy,syncs_per_step", [
+    ("fixed:3", 0), ("hf-heuristic:3", 0), ("confidence", 0), (hf_specdec.HedgeSpec(), 0),
+    ("nightjar", 2), ("dsd", 2), (hf_specdec.HedgeSpec(cost_aware=True), 2),
+])
+def test_device_syncs_only_for_policies_that_read_times(monkeypatch, tmp_path, policy, syncs_per_step):
+    """On a GPU each phase a policy times costs a sync; counted here on CPU by the call."""
+    loop = importlib.import_module("hf_specdec.generate")   # (hf_specdec.generate is the function)
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(loop, "device_sync", lambda device: calls.append(device))
+    model = build("llama", 2, seed=0)
+    ids, mask = prompts(2, seed=3)
+    drafters = [hf_specdec.PromptLookupDrafter(), hf_specdec.self_draft(model, "bf16")]
+    if not isinstance(policy, hf_specdec.HedgeSpec):
+        drafters = drafters[1:]
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, custom_generate=hf_specdec.generate,
+                         assistant_models=drafters, spec_policy=policy, return_dict_in_generate=True)
+    if syncs_per_step == 0:
+        assert not calls
+    else:                       # after drafting and after verifying, every step (+1 per drafter that drafted)
+        assert len(calls) >= syncs_per_step * len(out.spec_stats.steps) > 0

@@ -49,6 +49,11 @@ class SpecPolicy:
     def wants_feedback(self, step: int) -> bool:
         return self.selector.wants_feedback(step)
 
+    @property
+    def reads_times(self) -> bool:
+        """Whether the loop must time steps for this policy (a device sync per phase on a GPU)."""
+        return self.length.reads_times or self.selector.reads_times
+
     def observe(self, record: StepRecord) -> None:
         self.selector.observe(record)
         self.length.observe(record)

@@ -51,6 +51,9 @@ class LengthPolicy:
     """`choose` the step's maximal draft length k; while drafting, `continue_drafting` may stop
     rows early; before verification, `verify_lengths` may drop tail drafts of any row."""
 
+    # observe() weighs the step's seconds: the loop must time it (on a GPU, a device sync per phase)
+    reads_times = True
+
     def begin(self, ctx: StepContext) -> None:
         """A generate() call starts (ctx.step == 0); reset per-call state."""
 
@@ -79,6 +82,8 @@ class LengthPolicy:
 
 
 class DrafterSelector:
+    reads_times = False   # see LengthPolicy.reads_times
+
     def begin(self, ctx: StepContext) -> None:
         """A generate() call starts (ctx.step == 0); reset per-call state."""
 

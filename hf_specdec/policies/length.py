@@ -8,6 +8,8 @@ from .base import LengthPolicy, StepContext, non_negative_int, probability
 class FixedLength(LengthPolicy):
     """Always draft `k` tokens (k = 0: never speculate)."""
 
+    reads_times = False
+
     def __init__(self, k: int = 4):
         self.k = non_negative_int(k, "FixedLength(k): k")
 
@@ -23,6 +25,8 @@ class HFHeuristic(LengthPolicy):
     drafts, else -1 (never below 1). The length carries over between calls, as it does on
     Transformers' assistant. threshold > 0 adds Transformers' confidence stop (a row stops drafting
     after a token whose draft probability is below it), as its assistant applies both."""
+
+    reads_times = False
 
     def __init__(self, initial: int = 20, threshold: float = 0.0):
         if non_negative_int(initial, "HFHeuristic(initial)") < 1:
@@ -52,6 +56,8 @@ class HFHeuristic(LengthPolicy):
 class ConfidenceThreshold(LengthPolicy):
     """Transformers' dynamic speculation (`assistant_confidence_threshold`): a row stops drafting
     after a token whose draft probability is below `threshold`; at most `max_len` tokens."""
+
+    reads_times = False
 
     def __init__(self, threshold: float = 0.4, max_len: int = 20):
         probability(threshold, "ConfidenceThreshold(threshold)")

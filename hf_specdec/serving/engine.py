@@ -84,7 +84,8 @@ class Engine:
         if self.policy.offload is not None:
             self.policy.offload.begin(self.drafters, batch)
         stops = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
-        loop = _Loop(batch, target, self.drafters, self.policy, sampler, stops, True, None, static_batch=False)
+        loop = _Loop(batch, target, self.drafters, self.policy, sampler, stops, True, None, static_batch=False,
+                     timed=True)      # request latencies are measured
         self.stats = SpecStats(drafter_names=[d.name for d in self.drafters])
 
         waiting = sorted(zip(requests, prompts), key=lambda rp: rp[0].arrival)
