@@ -390,8 +390,8 @@ _AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
     """Validate the target, `assistant_models` and `spec_policy`; (drafters, policy)."""
     if model.config.is_encoder_decoder:
-        raise ValueError("hf_specdec supports decoder-only targets; got an encoder-decoder model "
-                         f"({type(model).__name__})")
+        raise ValueError(f"the batched loop runs decoder-only targets; {type(model).__name__} is an encoder-decoder: "
+                         "hf_specdec.enable(model, loop='transformers') runs it through Transformers' assisted loop")
     drafters = _check_drafters(model, assistant_models)
     if spec_policy is None or spec_policy == "auto":
         scorable = all(type(d).replay is not Drafter.replay for d in drafters)

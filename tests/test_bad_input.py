@@ -96,7 +96,7 @@ def test_encoder_decoder_target():
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=16, d_ff=32, num_layers=1, num_heads=2,
                                              d_kv=8, decoder_start_token_id=0))
     hf_specdec.enable(t5)
-    with pytest.raises(ValueError, match="decoder-only targets"):
+    with pytest.raises(ValueError, match="decoder-only targets.*loop=.transformers."):
         t5.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, assistant_models=[t5])
 
 
