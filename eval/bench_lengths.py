@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_specdec
-from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+from hf_specdec.costmodel import CostProfile, profile
 from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
 from identity import compare_rows, counts, until_eos
@@ -111,13 +111,10 @@ ENVS = {"qwen-coder": qwen_coder_env, "tiny-exact": lambda: tiny_env("exact"), "
 
 
 def env_profile(target, drafter, batch_sizes, context) -> CostProfile:
-    # switching lags up to a whole prompt: a call's first drafts catch up its prompt
+    # switching lags up to a whole prompt: a call's first drafts catch up its prompt; a lookup
+    # drafter has no model and costs (almost) nothing
     grid = dict(widths=(1, 3, 5, 8), contexts=(context, 2 * context), lags=sorted({1, 4, 16, context}), repeats=2)
-    draft_model = getattr(drafter, "model", None)
-    if draft_model is None:   # a lookup drafter costs (almost) nothing: profile the target twice, zero draft
-        prof = profile(target, target, batch_sizes, **grid)
-        return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
-    return profile(target, draft_model, batch_sizes, **grid)
+    return profile(target, getattr(drafter, "model", None), batch_sizes, **grid)
 
 
 def policies(prof: CostProfile, max_len: int) -> dict:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hf_specdec
-from hf_specdec.costmodel import CostProfile, LatencyModel, profile
+from hf_specdec.costmodel import CostProfile, profile
 from hf_specdec.policies import EXP3Spec, UCBSpec
 
 LENGTH_POLICIES = ("fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
@@ -89,14 +89,10 @@ def parse_pool(text: str) -> tuple[str, ...]:
 
 def drafter_profile(target, drafter, batch_sizes, context: int) -> CostProfile:
     """A cost profile of `target` and the model behind `drafter` (a hierarchy: its intermediate;
-    a lookup drafter costs almost nothing: zero draft latency) at these batch sizes, around
-    `context` tokens; switching lags up to a whole prompt, as a call's first drafts catch it up."""
-    upper = getattr(drafter, "upper", drafter)
-    draft_model = getattr(upper, "model", None)
+    a lookup drafter: none, it costs almost nothing) at these batch sizes, around `context`
+    tokens; switching lags up to a whole prompt, as a call's first drafts catch it up."""
+    draft_model = getattr(getattr(drafter, "upper", drafter), "model", None)
     grid = dict(widths=(1, 3, 5, 8), contexts=(context, 2 * context), lags=sorted({1, 4, 16, context}), repeats=2)
-    if draft_model is None:
-        prof = profile(target, target, batch_sizes, **grid)
-        return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
     return profile(target, draft_model, batch_sizes, **grid)
 
 
