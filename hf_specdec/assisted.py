@@ -50,7 +50,7 @@ def wants_assisted(model, kwargs: dict) -> bool:
 def translate(model, kwargs: dict) -> tuple[dict, object]:
     """A generate() call's kwargs with Transformers' assisted arguments replaced by
     `assistant_models=` / `spec_policy=` (those, when given, win). Also returns what to do after
-    the call: `write_back(policy)` for the "heuristic" schedule, else None."""
+    the call: a callable writing the "heuristic" schedule's length back to the assistant, else None."""
     kwargs = dict(kwargs)
     assistant = kwargs.pop("assistant_model", None)
     call_config = kwargs.get("generation_config")
@@ -68,10 +68,10 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
             logger.warning("assistant_model= is ignored: assistant_models= is given as well")
     else:
         kwargs["assistant_models"], policy, after = _drafters_and_policy(assistant, settings)
-        if "spec_policy" not in kwargs and policy is not None:
+        if "spec_policy" in kwargs:
+            after = None              # the user's own policy: nothing of Transformers' to write back
+        elif policy is not None:
             kwargs["spec_policy"] = policy
-        elif "spec_policy" in kwargs:
-            after = None
     return kwargs, after
 
 
