@@ -63,7 +63,7 @@ def load_models(args):
         target.generation_config.pad_token_id = tokenizer.pad_token_id
         target.generation_config.eos_token_id = tokenizer.eos_token_id
     elif args.target in MODELS:
-        target, tokenizer = load_model(args.target)
+        target, tokenizer = load_model(args.target, dtype=args.dtype and getattr(torch, args.dtype))
     else:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype="auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
@@ -71,7 +71,7 @@ def load_models(args):
             tokenizer.pad_token = tokenizer.eos_token
     draft = None
     if args.draft:
-        draft = load_model(args.draft)[0] if args.draft in MODELS else \
+        draft = load_model(args.draft, dtype=args.dtype and getattr(torch, args.dtype))[0] if args.draft in MODELS else \
             AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval()
     return hf_specdec.enable(target), tokenizer, draft
 
@@ -328,6 +328,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", default="smollm2",
                         help=f"smollm2 (embedded), tiny-random, an embedded name ({', '.join(MODELS)}) or a model id/path")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="of the embedded models (default: theirs; Qwen: bfloat16)")
     parser.add_argument("--draft", default=None,
                         help="an embedded name or a model id/path: the `draft` drafter (and the hierarchy's middle)")
     parser.add_argument("--pool", default=None,
