@@ -152,9 +152,7 @@ def run(args, methods, problems, out_dir: Path):
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
     runs_path.write_text(json.dumps(runs + [{**stamp(), "batches_to_do": len(todo)}], indent=1))
     model, tokenizer, draft = load_models(args)
-    factory = MethodFactory(model, draft_model=draft, pool=args.pool, profile_dir=out_dir,
-                            batch_size=min(args.batch_size, args.n),
-                            context=len(tokenizer(prompt_text(problems[0], tokenizer, args.prompt_style)).input_ids))
+    factory = MethodFactory(model, draft_model=draft, pool=args.pool)
     criteria = StopStringCriteria(tokenizer, stop_sequences(args.prompt_style, generation=True))
     with samples_path.open("a") as sink:
         if samples_path.stat().st_size and not samples_path.read_bytes().endswith(b"\n"):
@@ -166,9 +164,9 @@ def run(args, methods, problems, out_dir: Path):
             completions = [truncate_completion(t, stop_sequences(args.prompt_style)) for t in batch.texts]
             results = run_checks([(problem, c) for c in completions], workers=2, timeout=args.timeout,
                                  progress=False)
-            plain = done.get(("plain", problem["task_id"], 0))
-            identity = identity_verdict(model, batch, plain["tokens"]) \
-                if args.temperature == 0 and method.policy is not None and plain else None
+            plain = done.get(("plain", problem["task_id"], 0), {}).get("tokens")
+            identity = identity_verdict(model, batch, plain) \
+                if args.temperature == 0 and method.policy is not None and plain is not None else None
             for i, (completion, tokens, result) in enumerate(zip(completions, batch.tokens, results)):
                 key = (method.name, problem["task_id"], first + i)
                 if key in done:
@@ -233,8 +231,11 @@ def summarize(args, methods, problems, done):
             continue
         row["speedup"] = round(row["tokens_per_s"] / summary["methods"][plain.name]["tokens_per_s"], 3)
         if args.temperature == 0:
-            verdicts = [done[(m.name, t, 0)]["identity"] for t in task_ids]
-            row["identity"] = {v: sum(x["verdict"] == v for x in verdicts) for v in VERDICTS}
+            # None: generated before plain's row existed (plain added to a resumed run): not compared
+            verdicts = [(done[(m.name, t, 0)].get("identity") or {}).get("verdict", "unchecked") for t in task_ids]
+            row["identity"] = {v: verdicts.count(v) for v in VERDICTS}
+            if "unchecked" in verdicts:
+                row["identity"]["unchecked"] = verdicts.count("unchecked")
             # pass@1 over the rows identical to plain is plain's by construction; a near-tie row may differ
             row["pass@1_changed_rows"] = [t for t in task_ids if done[(m.name, t, 0)]["passed"]
                                           != done[(plain.name, t, 0)]["passed"]]
@@ -251,8 +252,9 @@ def markdown(summary, args):
     finished, requested = summary["problems_finished"], summary["problems_requested"]
     runs = summary["runs"] or [summary["stamp"]]
     resumed = sorted({r["commit"] for r in runs[1:]} - {runs[0]["commit"]})
-    lines = [f"_{stamp_line(runs[0])}_" + (f" (resumed {len(runs) - 1} times" + "".join(
-                 f", at commits {', '.join(resumed)}" for _ in resumed[:1]) + ")" if len(runs) > 1 else ""), "",
+    resumes = "" if len(runs) == 1 else f" (resumed {len(runs) - 1} times" + \
+        (f", at commits {', '.join(resumed)})" if resumed else ")")
+    lines = [f"_{stamp_line(runs[0])}_{resumes}", "",
              f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
              ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
              + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}", "",
@@ -268,7 +270,8 @@ def markdown(summary, args):
     fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     for name, r in summary["methods"].items():
         if greedy:
-            verdict = "-" if "identity" not in r else "{identical} / {near_tie} / {other}".format(**r["identity"])
+            verdict = "-" if "identity" not in r else "{identical} / {near_tie} / {other}".format(**r["identity"]) \
+                + (f" ({r['identity']['unchecked']} unchecked)" if "unchecked" in r["identity"] else "")
         else:
             verdict = "; ".join(f"{c} [{r[c + '_diff_ci95'][0]:+.3f}, {r[c + '_diff_ci95'][1]:+.3f}] "
                                 f"({r[c + '_detectable_drop']:.3f})" + (" DROP" if r[c + "_significant_drop"] else "")

@@ -1,7 +1,7 @@
 """Decoding methods by name, for the evaluation scripts: `plain` or `<policy>[:k]@<drafter>`.
 
     methods = parse_methods("plain,fixed:5@draft,nightjar@draft,hedgespec@pool,fixed:6@hier")
-    factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"), profile_dir=out)
+    factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"))
     model.generate(**inputs, **factory.generate_kwargs(methods[1]))
 
 policy      fixed[:k]      k drafts every step (default 4)
@@ -18,18 +18,16 @@ drafter     draft          the draft model (an embedded name, a hub id or a path
                            cycle, 2 cycles); without a draft model, the target's int8 -> bf16 copies
             pool           the drafters named by `pool` (for the selectors)
 
-AdaSpec and DSD need a cost profile of target and drafter: measured on first use at the run's
-batch size (`drafter_profile`) and saved in `profile_dir`, so a resumed run reuses it. Drafters
-and policies are built once and live for the whole run: the learning policies carry what they
-learned from one call to the next, as they would in a server.
+AdaSpec and DSD measure a cost profile of target and drafter the first time they meet them
+(hf_specdec.costmodel.cached_profile: cached on disk, so a resumed run reuses it). Drafters and
+policies are built once and live for the whole run: the learning policies carry what they learned
+from one call to the next, as they would in a server.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import hf_specdec
-from hf_specdec.costmodel import CostProfile, profile
 from hf_specdec.policies import EXP3Spec, UCBSpec
 
 LENGTH_POLICIES = ("fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
@@ -48,10 +46,6 @@ class Method:
     policy: str | None = None   # None: plain generate()
     drafter: str | None = None
     k: int | None = None        # drafts a step (fixed, selectors) or the longest draft; None: the default
-
-    @property
-    def needs_profile(self) -> bool:
-        return self.policy in ("adaspec", "dsd")
 
 
 def parse_method(name: str) -> Method:
@@ -87,24 +81,12 @@ def parse_pool(text: str) -> tuple[str, ...]:
     return pool
 
 
-def drafter_profile(target, drafter, batch_sizes, context: int) -> CostProfile:
-    """A cost profile of `target` and the model behind `drafter` (a hierarchy: its intermediate;
-    a lookup drafter: none, it costs almost nothing) at these batch sizes, around `context`
-    tokens; switching lags up to a whole prompt, as a call's first drafts catch it up."""
-    draft_model = getattr(getattr(drafter, "upper", drafter), "model", None)
-    grid = dict(widths=(1, 3, 5, 8), contexts=(context, 2 * context), lags=sorted({1, 4, 16, context}), repeats=2)
-    return profile(target, draft_model, batch_sizes, **grid)
-
-
 class MethodFactory:
     """Builds the drafters and policies of methods, once each. draft_model: the causal LM of the
-    `draft` drafter (None: methods using it are refused); batch_size, context: where a cost
-    profile is measured; profile_dir: where profiles are saved and found again."""
+    `draft` drafter (None: methods using it are refused); pool: the drafters of @pool."""
 
-    def __init__(self, target, draft_model=None, pool=("draft", "pld"), profile_dir: Path | None = None,
-                 batch_size: int = 1, context: int = 256):
+    def __init__(self, target, draft_model=None, pool=("draft", "pld")):
         self.target, self.draft_model, self.pool = target, draft_model, tuple(pool)
-        self.profile_dir, self.batch_size, self.context = profile_dir, batch_size, context
         self._drafters, self._policies = {}, {}
 
     def drafter(self, kind: str):
@@ -127,15 +109,6 @@ class MethodFactory:
             return hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(), model, draft_len=2, cycles=2)
         return model
 
-    def cost_profile(self, kind: str) -> CostProfile:
-        path = None if self.profile_dir is None else Path(self.profile_dir) / f"profile-{kind}-b{self.batch_size}.json"
-        if path is not None and path.exists():
-            return CostProfile.load(path)
-        prof = drafter_profile(self.target, self.drafter(kind), (self.batch_size,), self.context)
-        if path is not None:
-            prof.save(path)
-        return prof
-
     def policy(self, method: Method):
         if method.name not in self._policies:
             self._policies[method.name] = self._make_policy(method)
@@ -155,10 +128,9 @@ class MethodFactory:
             return hf_specdec.ConfidenceThreshold()
         if m.policy == "nightjar":
             return hf_specdec.Nightjar(max_len=k or 6)
-        prof = self.cost_profile(m.drafter)
         if m.policy == "adaspec":
-            return hf_specdec.AdaSpec(prof, max_len=k or 8)
-        return hf_specdec.DSDGoodput(prof, max_len=k or 8)
+            return hf_specdec.AdaSpec(max_len=k or 8)
+        return hf_specdec.DSDGoodput(max_len=k or 8)
 
     def generate_kwargs(self, method: Method) -> dict:
         """The extra generate() arguments of `method`: none for plain."""

@@ -143,11 +143,13 @@ from transformers.generation.candidate_generator import (  # noqa: E402
     AssistedCandidateGenerator, CandidateGenerator, PromptLookupCandidateGenerator)
 
 
-def own_candidate_generator(model, call: dict, assistant=None, lookup_tokens: int | None = None, ngram: int = 2):
+def own_candidate_generator(model, call: dict, assistant=None, lookup_tokens: int | None = None, ngram: int = 2,
+                            threshold: float = 0.0):
     """What Transformers would build for this call with `assistant` (a model), or with prompt
-    lookup drafting up to `lookup_tokens` from n-grams up to `ngram`. `call`: the keyword arguments `generate()` passed to
-    `_get_candidate_generator`. Its own schedule and confidence stop are switched off: the caller
-    sets the length every step (`set_candidate_length`)."""
+    lookup drafting up to `lookup_tokens` from n-grams up to `ngram`. `call`: the keyword
+    arguments `generate()` passed to `_get_candidate_generator`. Its own schedule is switched off
+    (the caller sets the length every step, `set_candidate_length`); a model assistant stops
+    drafting below `threshold` (0: never)."""
     import copy
     config = copy.deepcopy(call["generation_config"])
     config.prompt_lookup_num_tokens, config.max_matching_ngram_size = lookup_tokens, ngram
@@ -155,8 +157,8 @@ def own_candidate_generator(model, call: dict, assistant=None, lookup_tokens: in
                                                               "assistant_model": assistant})
     if isinstance(generator, AssistedCandidateGenerator):
         generator.assistant_generation_config.num_assistant_tokens_schedule = "constant"
-        generator.assistant_generation_config.assistant_confidence_threshold = 0.0
-        generator.generation_config.assistant_confidence_threshold = 0.0
+        generator.assistant_generation_config.assistant_confidence_threshold = threshold
+        generator.generation_config.assistant_confidence_threshold = threshold
     elif not isinstance(generator, PromptLookupCandidateGenerator):
         raise ValueError(f"Transformers built a {type(generator).__name__} for this drafter; hf_specdec drives "
                          "AssistedCandidateGenerator and PromptLookupCandidateGenerator only")
@@ -180,8 +182,12 @@ def run_with_candidate_generator(model, build, generate, *args, **kwargs):
     where `call` holds the arguments generate() passes to `_get_candidate_generator`."""
     def get_candidate_generator(*a, **kw):
         return build(dict(zip(_candidate_generator_params(), a), **kw))
+    previous = model.__dict__.get("_get_candidate_generator")
     model._get_candidate_generator = get_candidate_generator      # this call only
     try:
         return generate(*args, **kwargs)
     finally:
-        del model._get_candidate_generator
+        if previous is None:
+            del model._get_candidate_generator
+        else:
+            model._get_candidate_generator = previous

@@ -17,13 +17,13 @@ Transformers' defaults (20 tokens, "constant", threshold 0.4) and the schedule m
     heuristic, heuristic_transient   HFHeuristic(n, threshold): +2 after a fully accepted step, else -1
     prompt_lookup_num_tokens=n       PromptLookupDrafter(max_ngram=max_matching_ngram_size or 2), FixedLength(n)
 
-With "heuristic" the length reached is written back to the assistant's generation config after the
-call, so the next call starts from it, as in Transformers; "heuristic_transient" starts afresh.
+When the assistant's own generation config asks for "heuristic", the length reached is written back
+to it after the call, so the next call starts from it, as in Transformers; "heuristic_transient"
+starts afresh. A list of assistants is not consulted for settings.
 Transformers also re-fits the threshold online when scikit-learn is installed; here it stays fixed.
 """
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -50,28 +50,32 @@ def wants_assisted(model, kwargs: dict) -> bool:
 def translate(model, kwargs: dict) -> tuple[dict, object]:
     """A generate() call's kwargs with Transformers' assisted arguments replaced by
     `assistant_models=` / `spec_policy=` (those, when given, win). Also returns what to do after
-    the call: a callable writing the "heuristic" schedule's length back to the assistant, else None."""
-    kwargs = dict(kwargs)
+    the call: a callable writing the "heuristic" schedule's length back to the assistant's config
+    (when that config asked for it, as Transformers does), else None."""
+    kwargs_before, kwargs = kwargs, dict(kwargs)
     assistant = kwargs.pop("assistant_model", None)
     call_config = kwargs.get("generation_config")
     settings = {name: _setting(name, kwargs, call_config, _config_of(assistant), model.generation_config)
                 for name in SCHEDULE_FIELDS + LOOKUP_FIELDS}
     for name in SCHEDULE_FIELDS + LOOKUP_FIELDS:
         kwargs.pop(name, None)
-    config = call_config or model.generation_config
-    if config.prompt_lookup_num_tokens is not None:
-        # generate() must not see it, or it would pick its own (batch-1) assisted mode
-        kwargs = _without_lookup(config, kwargs)
     after = None
     if "assistant_models" in kwargs:
-        if assistant is not None:
-            logger.warning("assistant_model= is ignored: assistant_models= is given as well")
-    else:
-        kwargs["assistant_models"], policy, after = _drafters_and_policy(assistant, settings)
-        if "spec_policy" in kwargs:
-            after = None              # the user's own policy: nothing of Transformers' to write back
-        elif policy is not None:
-            kwargs["spec_policy"] = policy
+        ignored = ["assistant_model"] * (assistant is not None) + [n for n in SCHEDULE_FIELDS + LOOKUP_FIELDS
+                                                                   if settings[n] is not None]
+        if ignored:
+            logger.warning("%s ignored: assistant_models= is given (spec_policy= sets the lengths)", ", ".join(ignored))
+        return kwargs, None
+    # Transformers persists a heuristic length only on an assistant whose own config asks for it
+    own = _config_of(assistant)
+    persists = own is not None and own.num_assistant_tokens_schedule == "heuristic" and \
+        _setting("num_assistant_tokens_schedule", kwargs_before, call_config) is None
+    kwargs["assistant_models"], policy = _drafters_and_policy(assistant, settings)
+    if "spec_policy" not in kwargs and policy is not None:
+        kwargs["spec_policy"] = policy
+        if persists:
+            def after():
+                own.num_assistant_tokens = policy.k
     return kwargs, after
 
 
@@ -87,12 +91,12 @@ def _drafters_and_policy(assistant, settings: dict):
         ngram = settings["max_matching_ngram_size"] or 2
         if non_negative_int(ngram, "max_matching_ngram_size") < 1:
             raise ValueError(f"max_matching_ngram_size must be >= 1, got {ngram}")
-        return [PromptLookupDrafter(max_ngram=ngram)], FixedLength(lookup), None
+        return [PromptLookupDrafter(max_ngram=ngram)], FixedLength(lookup)
     drafters = list(assistant) if isinstance(assistant, (list, tuple)) else [assistant]
     if not drafters:
         raise ValueError("assistant_model is an empty list; give a model, a drafter or a list of them")
     if all(settings[name] is None for name in SCHEDULE_FIELDS):
-        return drafters, None, None      # nothing configured: the default policy
+        return drafters, None            # nothing configured: the default policy
     n, schedule, threshold = (DEFAULTS[name] if settings[name] is None else settings[name] for name in SCHEDULE_FIELDS)
     if non_negative_int(n, "num_assistant_tokens") < 1:
         raise ValueError(f"num_assistant_tokens must be >= 1, got {n}")
@@ -100,16 +104,8 @@ def _drafters_and_policy(assistant, settings: dict):
         raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
     probability(threshold, "assistant_confidence_threshold")
     if schedule == "constant":
-        policy = FixedLength(n) if threshold == 0 else ConfidenceThreshold(threshold, max_len=n)
-        return drafters, policy, None
-    policy = HFHeuristic(n, threshold=threshold)
-    configs = [_config_of(d) for d in drafters]
-
-    def write_back(policy=policy):
-        for config in configs:
-            if config is not None:
-                config.num_assistant_tokens = policy.k
-    return drafters, policy, write_back if schedule == "heuristic" else None
+        return drafters, FixedLength(n) if threshold == 0 else ConfidenceThreshold(threshold, max_len=n)
+    return drafters, HFHeuristic(n, threshold=threshold)
 
 
 def _setting(name: str, kwargs: dict, *configs):
@@ -125,12 +121,3 @@ def _config_of(assistant) -> GenerationConfig | None:
     if isinstance(model, torch.nn.Module) and not isinstance(model, Drafter):
         return getattr(model, "generation_config", None)
     return None
-
-
-def _without_lookup(config: GenerationConfig, kwargs: dict) -> dict:
-    """The call's kwargs with `generation_config=` a copy of `config` without prompt lookup, the
-    call's generation settings merged into it (generate() warns when given both)."""
-    config = copy.deepcopy(config)
-    config.prompt_lookup_num_tokens = None
-    rest = config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
-    return {**rest, "generation_config": config}

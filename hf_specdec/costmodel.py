@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -191,12 +192,13 @@ def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths
 
 
 def model_key(model) -> str:
-    """What a profile was measured on: checkpoint, class, dtype, device and a digest of the config."""
+    """What a profile was measured on, as far as latency goes: class, dtype, device and a digest
+    of the architecture (the config without where it was loaded from or by which release)."""
     import hashlib
     param = next(model.parameters())
-    config = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
-    name = getattr(model.config, "_name_or_path", "") or "unnamed"
-    return f"{name}|{type(model).__name__}|{param.dtype}|{param.device}|{config}"
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{type(model).__name__}|{param.dtype}|{param.device}|{digest}"
 
 
 def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None = None) -> CostProfile:
@@ -211,14 +213,18 @@ def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None 
     sizes = [1 << i for i in range((max(batch_size, 1) - 1).bit_length() + 1)]
     key = "\n".join([model_key(target), "none" if draft is None else model_key(draft), str(sizes)])
     path = Path(cache_dir or default_cache() / "profiles") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    if path.exists():
+    try:
         return CostProfile.load(path)
+    except ValueError:      # not measured yet, or a file cut short: measure (again)
+        pass
     logging.getLogger(__name__).info("profiling the target%s at batch sizes %s for the length policy (once: "
                                      "cached in %s)", "" if draft is None else " and the draft", sizes, path)
     prof = profile(target, draft, sizes, widths=(1, 3, 5, 8), contexts=(64, 256), lags=(1, 4, 16, 64),
                    repeats=2, progress=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    prof.save(path)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    prof.save(partial)
+    os.replace(partial, path)      # a reader sees the whole file or none
     return prof
 
 

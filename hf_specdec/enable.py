@@ -60,10 +60,22 @@ def call(model, original, args: tuple, kwargs: dict):
     if not any(kwargs.get(name) is not None for name in _SPEC_KWARGS):
         return original(*args, **kwargs)
     if getattr(model, "_hf_specdec_loop", "hf_specdec") == "transformers":
-        return transformers_loop.generate(model, original, args, kwargs)
-    # fail before generate() prepares anything (for encoder-decoders it would run the encoder)
+        out = transformers_loop.generate(model, original, args, kwargs)
+    else:
+        out = original(*args, **_batched_loop_kwargs(model, args, kwargs))
+    if after is not None:
+        after()
+    return out
+
+
+def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
+    """The call's kwargs for our loop as Transformers' `custom_generate` callable, checked first:
+    a bad call fails before generate() prepares anything (for an encoder-decoder, the encoder)."""
     check_spec_args(model, kwargs.get("assistant_models"), kwargs.get("spec_policy"))
     _check_padding(model, args, kwargs)
+    if kwargs.get("assistant_tokenizer") is not None:
+        raise ValueError("assistant_tokenizer= (a draft with another tokenizer) is not supported: drafters share "
+                         "the target's vocabulary")
     if kwargs.get("streamer") is not None:
         kwargs["spec_streamer"] = kwargs.pop("streamer")
     stop_strings = kwargs.pop("stop_strings", None)
@@ -75,10 +87,7 @@ def call(model, original, args: tuple, kwargs: dict):
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
     kwargs["custom_generate"] = spec_generate
-    out = original(*args, **kwargs)
-    if after is not None:
-        after()
-    return out
+    return kwargs
 
 
 def disable(model):

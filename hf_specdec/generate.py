@@ -383,8 +383,15 @@ def _per_row_choice(drafter, n: int, num_drafters: int) -> list[int]:
     return choice
 
 
-# target -> {identities of its assistant_models: the "auto" policy}: it learns across calls
+# target -> {its drafters' identities: the "auto" policy}: it learns across calls
 _AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _identity(drafter: Drafter):
+    """What an "auto" policy learned about: a drafter's models, or its kind for one without
+    (a fresh PromptLookupDrafter() per call is the same drafter)."""
+    models = drafter.models()
+    return tuple(map(id, models)) if models else type(drafter).__name__
 
 
 def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
@@ -395,12 +402,13 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
     drafters = _check_drafters(model, assistant_models)
     if spec_policy is None or spec_policy == "auto":
         scorable = all(type(d).replay is not Drafter.replay for d in drafters)
-        known = _AUTO_POLICIES.setdefault(model, {})
-        policy = known.setdefault(tuple(map(id, assistant_models)), auto_policy(len(drafters), scorable))
+        known, key = _AUTO_POLICIES.setdefault(model, {}), tuple(map(_identity, drafters))
+        policy = known.get(key) or known.setdefault(key, auto_policy(len(drafters), scorable))
     else:
         policy = resolve_policy(spec_policy)
     measured = getattr(policy.length, "profile", None)
-    if measured is not None and measured.meta.get("target") not in (None, costmodel.model_key(model)):
+    if measured is not None and not policy.length.profile_attached and \
+            measured.meta.get("target") not in (None, costmodel.model_key(model)):
         raise ValueError(f"{policy.length!r} holds a cost profile measured on {measured.meta['target']!r}, not on "
                          f"this target ({costmodel.model_key(model)!r}); profile this target (python -m hf_specdec "
                          "profile) or give the policy no profile to have it measured")
@@ -414,13 +422,18 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
 
 def ensure_profile(policy: SpecPolicy, model, drafters: list[Drafter], batch_size: int) -> None:
     """A length policy made without a cost profile (AdaSpec(), DSDGoodput(), "adaspec") gets the
-    cached one of this target and its costliest draft model, measured now if never before."""
+    cached one of this target and its costliest draft model, measured now if never before; one
+    attached so earlier is replaced when the target or the batch outgrows it."""
     length = policy.length
-    if getattr(length, "use_profile", None) is None or length.profile is not None:
+    if getattr(length, "use_profile", None) is None:
+        return
+    have = length.profile
+    if have is not None and (not length.profile_attached or (have.meta.get("target") == costmodel.model_key(model)
+                                                             and batch_size <= max(have.meta["batch_sizes"]))):
         return
     models = [m for d in drafters for m in d.models()]
     draft = max(models, key=lambda m: sum(p.numel() for p in m.parameters())) if models else None
-    length.use_profile(costmodel.cached_profile(model, draft, batch_size))
+    length.use_profile(costmodel.cached_profile(model, draft, batch_size), attached=True)
 
 
 def _check_drafters(model, assistant_models) -> list[Drafter]:

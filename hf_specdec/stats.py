@@ -15,8 +15,8 @@ class StepRecord:
     accepted: list[int]        # drafts accepted per row
     emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop; without an
                                # EOS criterion generate() may later cut rows back, not subtracted here)
-    draft_s: float             # wall time drafting
-    verify_s: float            # wall time of the target forward + verification
+    draft_s: float             # wall time drafting; on a GPU, device work included only when the
+    verify_s: float            # wall time of the target forward + verification; policy reads times
     rows: list[int] = field(default_factory=list)            # original batch index per row
     drafter_s: dict[int, float] = field(default_factory=dict)  # proposing time per drafter used
     # full-information feedback (when the selector asks for it): for each row still decoding after

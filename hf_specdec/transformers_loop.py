@@ -10,8 +10,9 @@ PromptLookupDrafter: PromptLookupCandidateGenerator). Every step `SpecCandidateG
 policy which drafter drafts and how many tokens (0: a plain step), then tells it the outcome.
 A full-information selector (HedgeSpec) has every drafter draft from the same prefix and scores
 each on the verified tokens up to the first token any drafter missed: a drafter that diverged has
-not drafted beyond. Policies that stop or trim drafts per token (ConfidenceThreshold, AdaSpec) need
-the batched loop, as does `spec_generator` (Transformers' loop draws from torch's global RNG).
+not drafted beyond. A confidence stop (ConfidenceThreshold, HFHeuristic's threshold) is handed to
+Transformers' own generator; policies that trim drafts (AdaSpec) need the batched loop, as does
+`spec_generator` (Transformers' loop draws from torch's global RNG).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from . import _compat
 from .drafters import ModelDrafter, PromptLookupDrafter
-from .policies import SpecPolicy, StepContext, resolve_policy
+from .policies import ConfidenceThreshold, HFHeuristic, SpecPolicy, StepContext, resolve_policy
 from .stats import SpecStats, StepRecord
 
 
@@ -77,8 +78,9 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
         return [[float(i < len(hits[j]) and hits[j][i]) for j in range(len(self.children))] for i in range(depth)]
 
 
-def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, SpecPolicy]:
-    """Validate a call for Transformers' loop; (each drafter as a model or a PromptLookupDrafter, policy)."""
+def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, SpecPolicy, float]:
+    """Validate a call for Transformers' loop; (each drafter as a model or a PromptLookupDrafter,
+    policy, the confidence threshold Transformers' generators stop drafting at)."""
     if not isinstance(assistant_models, (list, tuple)) or not assistant_models:
         raise TypeError("assistant_models must be a non-empty list of models or PromptLookupDrafters")
     drafters = []
@@ -89,7 +91,9 @@ def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, Spe
                             f"PromptLookupDrafter, got {type(d).__name__}; the batched loop runs the others")
         drafters.append(d)
     policy = resolve_policy(spec_policy, len(drafters))
-    if policy.length.drafting_hooks() != (False, False):
+    # a confidence stop is Transformers' generators' own; any other per-token hook they cannot ask
+    threshold = policy.length.threshold if isinstance(policy.length, (ConfidenceThreshold, HFHeuristic)) else None
+    if threshold is None and policy.length.drafting_hooks() != (False, False):
         raise ValueError(f"{policy.length!r} stops or trims drafts per token, which Transformers' loop cannot ask; "
                          "use it with the batched loop (enable(model)) or pick a per-step length policy")
     if policy.offload is not None or kwargs.get("spec_generator") is not None:
@@ -98,19 +102,20 @@ def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, Spe
     if inputs is not None and getattr(inputs, "shape", (1,))[0] != 1:
         raise ValueError(f"Transformers' assisted loop runs batch 1, got a batch of {inputs.shape[0]}; "
                          "use the batched loop (enable(model)) for more rows")
-    return drafters, policy
+    return drafters, policy, threshold or 0.0
 
 
 def generate(model, original, args: tuple, kwargs: dict):
     """One generate() call through Transformers' assisted loop with our drafters and policy."""
-    drafters, policy = check(model, kwargs.pop("assistant_models"), kwargs.pop("spec_policy", None), kwargs)
+    drafters, policy, threshold = check(model, kwargs.pop("assistant_models"), kwargs.pop("spec_policy", None), kwargs)
     kwargs.pop("spec_generator", None)
     generator = None
 
     def build(call: dict):
         nonlocal generator
         children = [_compat.own_candidate_generator(model, call, lookup_tokens=1, ngram=d.max_ngram)
-                    if isinstance(d, PromptLookupDrafter) else _compat.own_candidate_generator(model, call, assistant=d)
+                    if isinstance(d, PromptLookupDrafter) else
+                    _compat.own_candidate_generator(model, call, assistant=d, threshold=threshold)
                     for d in drafters]
         names = [getattr(d, "name", None) or type(d).__name__ for d in drafters]
         generator = SpecCandidateGenerator(children, policy, call["generation_config"].max_length, names)

@@ -45,15 +45,17 @@ class _Profiled(LengthPolicy):
 
     def _use(self, cost_model, slo_tpot) -> None:
         _check_slo(slo_tpot)
-        self.slo_tpot = slo_tpot
+        self.slo_tpot, self.profile_attached = slo_tpot, False
         self.model = None if cost_model is None else _GoodputModel(_as_profile(cost_model), slo_tpot)
 
     @property
     def profile(self) -> CostProfile | None:
         return None if self.model is None else self.model.profile
 
-    def use_profile(self, profile) -> None:
+    def use_profile(self, profile, attached: bool = False) -> None:
+        """attached: measured for the policy, not given by the user (generate() may replace it)."""
         self.model = _GoodputModel(_as_profile(profile), self.slo_tpot)
+        self.profile_attached = attached
 
 
 def _check_slo(slo_tpot) -> None:
