@@ -44,7 +44,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
 
     assistant_models: list of Transformers causal LMs (same vocabulary as `model`) or Drafters.
     spec_policy: SpecPolicy / LengthPolicy / DrafterSelector / a name ("fixed:4", "adaspec", ...) /
-        None or "auto" (`hf_specdec.policies.auto_policy`, one per target and drafters, kept across calls).
+        None or "auto" (`hf_specdec.policies.auto_policy`; in this loop one per target and drafters, kept
+        across calls).
     spec_generator: torch.Generator for every random draw (default: torch's global RNG).
     spec_streamer: a streamer (Transformers does not forward `streamer` to custom callables;
         `hf_specdec.enable` maps `streamer=` here for you).
