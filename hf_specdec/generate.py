@@ -213,8 +213,9 @@ class _Loop:
         emitted, stopped = self.cut_at_stops(start, result.num_accepted + 1, width + 1, self.longest)
         batch.lengths[rows] = start + emitted
         emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
-        record = StepRecord(len(rows), choice, k, proposed, accepted, emitted, t1 - t0, t2 - t1, ctx.rows,
-                            drafter_s, step=index, lag=ctx.max_lag)
+        record = StepRecord(batch_size=len(rows), drafters=choice, k=k, k_chosen=decision.length, proposed=proposed,
+                            accepted=accepted, emitted=emitted, draft_s=t1 - t0, verify_s=t2 - t1, rows=ctx.rows,
+                            drafter_s=drafter_s, step=index, lag=ctx.max_lag)
         # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
         keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
         record.overhead_s = time.perf_counter() - begin - (t2 - t0)

@@ -4,13 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRecord:
-    """One target forward. Lists are per active row, in batch order."""
+    """One target forward, built by keyword. Lists are per active row, in batch order."""
 
     batch_size: int            # active rows in this step
     drafters: list[int]        # per row: index into assistant_models; -1 = no speculation (k = 0)
-    k: int                     # draft length asked of the drafters
+    k: int                     # draft length asked of the drafters (the policy's choice, clamped)
+    k_chosen: int = -1         # the policy's choice before the loop clamped it to the room left (-1: = k)
     proposed: list[int]        # drafts actually proposed per row (<= k)
     accepted: list[int]        # drafts accepted per row
     emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop; without an

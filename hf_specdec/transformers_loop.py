@@ -43,6 +43,7 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
             self.policy.begin(ctx)
         decision = self.policy.choose(ctx)
         self.drafter = decision.drafter if isinstance(decision.drafter, int) else decision.drafter[0]
+        self.k_chosen = decision.length
         self.k = min(decision.length, max(self.max_length - length - 1, 0))
         self.scoring = len(self.children) > 1 and self.policy.wants_feedback(self.step)
         self.start, self.candidates, self.seconds = length, {}, {}
@@ -59,7 +60,8 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
         drafts = {j: ids[0, self.start:] for j, (ids, _) in self.candidates.items()}
         proposed = len(drafts.get(self.drafter, ()))
         record = StepRecord(
-            batch_size=1, drafters=[self.drafter if proposed else -1], k=self.k, proposed=[proposed],
+            batch_size=1, drafters=[self.drafter if proposed else -1], k=self.k, k_chosen=self.k_chosen,
+            proposed=[proposed],
             accepted=[num_matches], emitted=[num_matches + 1], draft_s=self.seconds.get(self.drafter, 0.0),
             verify_s=time.perf_counter() - self.verify_start, rows=[0],
             drafter_s={self.drafter: self.seconds[self.drafter]} if proposed else {},

@@ -23,3 +23,12 @@ class Scripted(LengthPolicy):
     def choose(self, ctx):
         self.contexts.append(ctx)
         return self.ks(ctx.step)
+
+
+def step_record(batch_size, drafters, k, proposed, accepted, emitted, draft_s=0.0, verify_s=0.0, rows=None,
+                drafter_s=None, gammas=None, **kw):
+    """A StepRecord from the positional shorthand the policy tests use."""
+    from hf_specdec.stats import StepRecord
+    return StepRecord(batch_size=batch_size, drafters=drafters, k=k, proposed=proposed, accepted=accepted,
+                      emitted=emitted, draft_s=draft_s, verify_s=verify_s, rows=rows or [],
+                      drafter_s=drafter_s or {}, gammas=gammas, **kw)

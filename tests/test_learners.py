@@ -7,7 +7,7 @@ import pytest
 from hf_specdec.policies import AdaNormalHedge, Hedge, HedgeSpec, NormalHedge, StepContext
 from hf_specdec.policies.feedback import DelayedFeedback, expected_accept_length
 from hf_specdec.policies.learners import normalhedge_scale
-from hf_specdec.stats import StepRecord
+from helpers import step_record
 
 LEARNERS = [NormalHedge, Hedge, AdaNormalHedge]
 
@@ -163,7 +163,7 @@ def test_delay_queue_applies_losses_in_position_order():
 
 
 def record(rows, gammas, k=2):
-    return StepRecord(len(rows), [0] * len(rows), k, [k] * len(rows), [0] * len(rows), [1] * len(rows),
+    return step_record(len(rows), [0] * len(rows), k, [k] * len(rows), [0] * len(rows), [1] * len(rows),
                       0.0, 0.01, rows, {0: 0.001}, gammas)
 
 

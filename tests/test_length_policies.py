@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import hf_specdec
-from helpers import Scripted, assert_same, spec
+from helpers import Scripted, assert_same, spec, step_record
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
 from hf_specdec.policies.straggler import FinishingRows, RowSpread, emission_moments, stretch
-from hf_specdec.stats import StepRecord
 from hf_specdec.testing import build, noisy_copy, prompts
 
 ALPHA = 0.7          # per-token acceptance in the simulation
@@ -78,7 +77,7 @@ class Sim:
             self.lag = self.lag + 1 if k == 0 else 0
             # each draft is accepted with probability alpha, and a row keeps drafts up to its first rejection
             emitted = [1 + self.accepted(k) for _ in range(batch)]
-            self.policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, [e - 1 for e in emitted],
+            self.policy.observe(step_record(batch, [0 if k else -1] * batch, k, [k] * batch, [e - 1 for e in emitted],
                                            emitted, drafting, seconds - drafting))
             self.choices.append((batch, k))
             if self.remaining:
@@ -244,7 +243,7 @@ def test_nightjar_counts_a_step_cut_by_the_calls_end_for_the_arm_it_chose():
         chosen = policy.choose(ctx)
         policy.drafted = policy.measured = True                      # not the call's first drafts
         accepted = [min(run_k, 1)] * 2
-        policy.observe(StepRecord(2, [0] * 2, run_k, [run_k] * 2, accepted, [a + 1 for a in accepted], 0.01, 0.02))
+        policy.observe(step_record(2, [0] * 2, run_k, [run_k] * 2, accepted, [a + 1 for a in accepted], 0.01, 0.02))
         return chosen, policy.states[2].depths               # by arm, by drafts verified: row-steps
     chosen, depths = counted(remaining=3, run_k=2)
     assert chosen > 2 and depths[chosen][2] == 2 and not any(depths[2])   # cut to 2 drafts: the chosen arm's
@@ -541,7 +540,7 @@ def test_length_policies_price_a_static_batchs_wait_for_its_slowest_row(models):
             accepted = [accepted_drafts(rng, k, ALPHA) for _ in range(batch)]
             seconds = {0: 0.01, 1: 0.0185, 2: 0.02126}[k] * rng.uniform(0.98, 1.02)
             drafting = 0.3 * seconds if k else 0.0
-            policy.observe(StepRecord(batch, [0 if k else -1] * batch, k, [k] * batch, accepted,
+            policy.observe(step_record(batch, [0 if k else -1] * batch, k, [k] * batch, accepted,
                                       [a + 1 for a in accepted], drafting, seconds - drafting))
             ks.append(k)
         return statistics.fmean(k > 0 for k in ks[300:])
@@ -622,7 +621,7 @@ def test_goodput_model_learns_a_drafting_steps_fixed_cost():
         return 0.9 * model._modelled(1, 64, k, k + 1) + (0.008 if k else 0.0)
     for step in range(1, 40):
         k = 2 if step % 3 else 0
-        model.learn(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, truth(k), step=step, lag=1), 64)
+        model.learn(step_record(1, [0], k, [k], [k], [k + 1], 0.0, truth(k), step=step, lag=1), 64)
     for k in range(7):
         assert model.step_time(1, 64, k, k + 1) == pytest.approx(truth(k), rel=0.02), k
 
@@ -633,7 +632,7 @@ def test_goodput_model_replaces_a_stale_drafting_cost():
     tenth (noise averages out)."""
     model = hf_specdec.AdaSpec(toy_profile(), max_len=6, calibrate=False).model
     def learn(step, k, excess):
-        model.learn(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, model._modelled(1, 64, k, k + 1) + excess,
+        model.learn(step_record(1, [0], k, [k], [k], [k + 1], 0.0, model._modelled(1, 64, k, k + 1) + excess,
                                step=step, lag=1), 64)
     for step in range(1, 30):
         learn(step, 2, 0.030)
@@ -656,7 +655,7 @@ def test_goodput_model_is_not_thrown_off_by_a_probes_catch_up():
         verification = model._modelled(16, 64, 0, fed) + (0.004 if k else 0.0)
         drafting = model._modelled(16, 64, k, fed, lag) - model._modelled(16, 64, 0, fed)
         drafting += 0.002 + catch_up_error
-        model.learn(StepRecord(16, [0] * 16, k, [k] * 16, [k] * 16, [k + 1] * 16, drafting if k else 0.0,
+        model.learn(step_record(16, [0] * 16, k, [k] * 16, [k] * 16, [k + 1] * 16, drafting if k else 0.0,
                                verification, step=step, lag=lag), 64)
     for step in range(1, 30):
         learn(step, 3)
@@ -675,7 +674,7 @@ def test_calibration_learns_that_unsure_exact_drafts_are_accepted():
     for _ in range(120):
         n = drafted_length(calibrated, 1, 0.2, 8)
         calibrated.verify_lengths([[0.2] * n])
-        calibrated.observe(StepRecord(1, [0], 8, [n], [n], [n + 1], 0.0, 0.01))
+        calibrated.observe(step_record(1, [0], 8, [n], [n], [n + 1], 0.0, 0.01))
     assert drafted_length(paper, 1, 0.2, 8) <= 1
     assert drafted_length(calibrated, 1, 0.2, 8) >= 6
     assert calibrated.calibration(0.2) > 0.9
@@ -712,7 +711,7 @@ def test_adaspec_corrects_ar_where_acceptance_depends_on_depth():
             while n < 3 and rng.random() < (0.35 if n == 0 else 0.9):
                 n += 1
             accepted.append(n)
-        policy.observe(StepRecord(2, [0, 0], 3, [3, 3], accepted, [a + 1 for a in accepted], 0.0, 0.01, step=step))
+        policy.observe(step_record(2, [0, 0], 3, [3, 3], accepted, [a + 1 for a in accepted], 0.0, 0.01, step=step))
     pooled = sum(policy._ar([[1.0] * 3], corrected=False)[0])
     assert pooled > 1.15 * truth                                  # what the calibration alone predicts
     assert sum(policy._ar([[1.0] * 3])[0]) == pytest.approx(truth, rel=0.1)
@@ -740,7 +739,7 @@ def test_adaspec_probes_only_where_acceptance_could_make_drafting_pay():
             plain_seconds = policy.model.step_time(batch, 64 * batch, 0, batch)
             if steps and step > steps[0]:
                 lost, plain = (lost + seconds - plain_seconds, plain) if k else (lost, plain + seconds)
-            policy.observe(StepRecord(batch, rows, k, [k] * batch, rows, [1] * batch, 0.0, seconds, step=step))
+            policy.observe(step_record(batch, rows, k, [k] * batch, rows, [1] * batch, 0.0, seconds, step=step))
         return [b - a for a, b in zip(steps, steps[1:])], lost / max(plain, 1e-9)
     lengths = []
     gaps, _ = drafting_steps(0.05, 1)
@@ -804,7 +803,7 @@ def test_adaspec_probe_finds_that_unsure_exact_drafts_pay():
         if n:
             n = policy.verify_lengths([[0.05] * n])[0]
         seconds = policy.model._modelled(1, 64, n, n + 1, lag) * 0.7
-        policy.observe(StepRecord(1, [0 if n else -1], 6 if n else 0, [n], [n], [n + 1], 0.0, seconds,
+        policy.observe(step_record(1, [0 if n else -1], 6 if n else 0, [n], [n], [n + 1], 0.0, seconds,
                                   step=step, lag=lag))
         lag = 2 if n else lag + 1
         drafted.append(n)
@@ -818,7 +817,7 @@ def test_adaspec_counts_a_step_whose_drafts_were_all_dropped_as_a_drafting_step(
     policy = hf_specdec.AdaSpec(toy_profile(), max_len=6, prior_confidence=0.02)
     policy.choose(StepContext(1, 1, 1, [0], context_tokens=64))
     assert policy.verify_lengths([[0.01] * 3]) == [0]
-    policy.observe(StepRecord(1, [0], 6, [0], [0], [1], 0.01, 0.02, step=1, lag=1))
+    policy.observe(step_record(1, [0], 6, [0], [0], [1], 0.01, 0.02, step=1, lag=1))
     assert set(policy.model.extra) == {1} and not policy.model.ratio
 
 
@@ -855,8 +854,8 @@ def test_goodput_policies_correct_the_latency_model_with_measured_steps():
         assert k > 0
         modelled = policy.model.step_time(1, 64, k, k + 1)
         verification = policy.model.step_time(1, 64, 0, k + 1)
-        outliers = [StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=0),          # prefill
-                    StepRecord(1, [0], k, [k], [k], [k + 1], policy.model.step_time(1, 64, k, k + 1, lag=40)
+        outliers = [step_record(1, [0], k, [k], [k], [k + 1], 0.0, 100 * modelled, step=0),          # prefill
+                    step_record(1, [0], k, [k], [k], [k + 1], policy.model.step_time(1, 64, k, k + 1, lag=40)
                                - verification, verification, step=5, lag=40)]                     # catch-up
         for record in outliers:
             policy.observe(record)
@@ -864,7 +863,7 @@ def test_goodput_policies_correct_the_latency_model_with_measured_steps():
         for step in range(2, 12):
             policy.verify_lengths([[0.7] * k]) if isinstance(policy, hf_specdec.AdaSpec) else None
             # every draft accepted: the drafter lags 2 tokens (the last draft and the target's token)
-            policy.observe(StepRecord(1, [0], k, [k], [k], [k + 1], 0.0, 4 * modelled, step=step, lag=2))
+            policy.observe(step_record(1, [0], k, [k], [k], [k + 1], 0.0, 4 * modelled, step=step, lag=2))
             k = policy.choose(ctx) or k
         assert policy.choose(ctx) == 0, policy
 
@@ -874,7 +873,7 @@ def test_dsd_goodput_can_deadlock_at_zero():
     policy = hf_specdec.DSDGoodput(toy_profile(draft_ratio=0.5), prior_acceptance=0.05)
     ctx = StepContext(0, 1, 1, [0], context_tokens=64)
     assert policy.choose(ctx) == 0
-    policy.observe(StepRecord(1, [-1], 0, [0], [0], [1], 0.0, 0.01))
+    policy.observe(step_record(1, [-1], 0, [0], [0], [1], 0.0, 0.01))
     assert policy.choose(ctx) == 0
 
 
@@ -882,9 +881,9 @@ def test_hf_heuristic_schedule():
     policy = hf_specdec.HFHeuristic(initial=5)
     ctx = StepContext(0, 1, 1, [0])
     assert policy.choose(ctx) == 5
-    policy.observe(StepRecord(1, [0], 5, [5], [5], [6], 0, 0))
+    policy.observe(step_record(1, [0], 5, [5], [5], [6], 0, 0))
     assert policy.choose(ctx) == 7
-    policy.observe(StepRecord(1, [0], 7, [7], [2], [3], 0, 0))
+    policy.observe(step_record(1, [0], 7, [7], [2], [3], 0, 0))
     assert policy.choose(ctx) == 6
 
 

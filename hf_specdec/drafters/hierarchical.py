@@ -163,9 +163,10 @@ class HierarchicalDrafter(Drafter):
         self.stats.proposed += int(lens.sum())
         self.stats.accepted += int(result.num_accepted.sum())
         self.stats.produced += int(result.num_accepted.sum()) + len(rows)
-        self.inner_length.observe(StepRecord(len(rows), [0 if kd else -1] * len(rows), kd, lens.tolist(),
-                                             result.num_accepted.tolist(), (result.num_accepted + 1).tolist(),
-                                             t1 - t0, t2 - t1, rows.tolist()))
+        self.inner_length.observe(StepRecord(batch_size=len(rows), drafters=[0 if kd else -1] * len(rows), k=kd,
+                                             proposed=lens.tolist(), accepted=result.num_accepted.tolist(),
+                                             emitted=(result.num_accepted + 1).tolist(), draft_s=t1 - t0,
+                                             verify_s=t2 - t1, rows=rows.tolist()))
         self._cycle += 1
         return logits, scores, result.num_accepted
 

@@ -246,7 +246,8 @@ class Simulator:
             room = max(r.request.output_len - r.produced - 1 for r in running)
             lag = max(r.lag for r in running)
             ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag, room + 1)
-            k = max(0, min(self.policy.choose(ctx).length, room))
+            chosen = self.policy.choose(ctx).length
+            k = max(0, min(chosen, room))
             if offload is not None:
                 resident.now = t
                 if not offload.step(ctx, k):                # drafts not on the device
@@ -275,8 +276,9 @@ class Simulator:
             for r, a, e in zip(running, accepted, emitted):
                 r.produced += e
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
-            self.policy.observe(StepRecord(rows, [0 if k else -1] * rows, k, proposed, accepted, emitted,
-                                           draft_s, verify_s, ctx.rows))
+            self.policy.observe(StepRecord(batch_size=rows, drafters=[0 if k else -1] * rows, k=k, k_chosen=chosen,
+                                           proposed=proposed, accepted=accepted, emitted=emitted, draft_s=draft_s,
+                                           verify_s=verify_s, rows=ctx.rows))
             result.steps.append(RunStep(t, rows, k, sum(emitted)))
             running = self._retire(running, t, result)
             step += 1
