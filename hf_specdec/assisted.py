@@ -54,8 +54,8 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
     (when that config asked for it, as Transformers does), else None."""
     kwargs_before, kwargs = kwargs, dict(kwargs)
     assistant = kwargs.pop("assistant_model", None)
-    call_config = kwargs.get("generation_config")
-    settings = {name: _setting(name, kwargs, call_config, _config_of(assistant), model.generation_config)
+    call_config, own = kwargs.get("generation_config"), _config_of(assistant)
+    settings = {name: _setting(name, kwargs, call_config, own, model.generation_config)
                 for name in SCHEDULE_FIELDS + LOOKUP_FIELDS}
     for name in SCHEDULE_FIELDS + LOOKUP_FIELDS:
         kwargs.pop(name, None)
@@ -67,7 +67,6 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
             logger.warning("%s ignored: assistant_models= is given (spec_policy= sets the lengths)", ", ".join(ignored))
         return kwargs, None
     # Transformers persists a heuristic length only on an assistant whose own config asks for it
-    own = _config_of(assistant)
     persists = own is not None and own.num_assistant_tokens_schedule == "heuristic" and \
         _setting("num_assistant_tokens_schedule", kwargs_before, call_config) is None
     kwargs["assistant_models"], policy = _drafters_and_policy(assistant, settings)
