@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 import hf_specdec
+from hf_specdec.generate import ensure_profile
 from hf_specdec.testing import exact_cheap_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
 from identity import compare_rows, counts, until_eos
@@ -81,7 +82,8 @@ def tiny_exact_env(args):
 
 
 ENVS = {"qwen-coder": qwen_coder_env, "smollm2": smollm2_env, "tiny-exact": tiny_exact_env}
-ADAPTIVE = {"nightjar": lambda args: hf_specdec.Nightjar(max_len=max(args.k, 6))}
+ADAPTIVE = {"nightjar": lambda args: hf_specdec.Nightjar(max_len=max(args.k, 6)),
+            "adaspec": lambda args: hf_specdec.AdaSpec(max_len=max(args.k, 8))}
 
 
 def hf_assisted(model, drafter, k):
@@ -100,6 +102,8 @@ def run_env(name, args):
     hf_specdec.enable(model)
     eos = model.generation_config.eos_token_id
     policies = {p: ADAPTIVE[p](args) for p in args.adaptive}   # one object per env: it learns across calls
+    for policy in policies.values():     # a profile a policy measures on first use: before any timing
+        ensure_profile(hf_specdec.SpecPolicy(length=policy), model, list(drafters.values()), max(args.batch_sizes))
     rows = []
     for batch in args.batch_sizes:
         parts = make_inputs(batch)

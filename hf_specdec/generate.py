@@ -17,15 +17,15 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from . import _compat, costmodel
-from . import verify as verify_module
 from .cached_model import CachedModel
-from .drafters import Drafter, ModelDrafter, Proposal, as_drafter, output_vocab_size
+from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
 from .offload import RESIDENT
 from .policies import SpecPolicy, StepContext, auto_policy, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
 from .sequences import SequenceBatch
 from .stats import SpecStats, StepRecord
+from .verify import target_verify
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +65,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     pad = generation_config._pad_token_tensor
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
                           pad_token_id=int(pad) if pad is not None else 0)
-    target = CachedModel(model)
-    target.reset(batch)
-    for drafter in drafters:
-        drafter.begin(batch, sampler)
-    if policy.offload is not None:
-        policy.offload.begin(drafters, batch)
     ensure_profile(policy, model, drafters, input_ids.shape[0])
-
-    loop = _Loop(batch, target, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
+    loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
     stats = loop.run()
     sequences = batch.output()
     if generation_config.return_dict_in_generate:
@@ -81,12 +74,19 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     return sequences
 
 
-class _Loop:
-    def __init__(self, batch: SequenceBatch, target: CachedModel, drafters: list[Drafter],
-                 policy: SpecPolicy, sampler: TokenSampler, stopping_criteria, freeze_finished, streamer,
-                 static_batch: bool = True, timed: bool = False):
-        self.static_batch = static_batch       # generate(): rows that finish early wait for the rest
-        self.batch, self.target, self.drafters, self.policy = batch, target, drafters, policy
+class DecodingLoop:
+    """The steps of one generate() call, or of a serving run: `begin`, then `step` while rows are
+    active (`run` does both for generate()); a serving engine also `join`s new requests between
+    steps. The loop owns `batch.active`; rows leave it when they finish (`retire_finished`).
+
+    model: the target; freeze_finished: rows stop at their own stop (EOS) rather than waiting for
+    the call's last; streamer: gets completed columns; timed: time every step (serving latencies)
+    even for a policy that does not read times."""
+
+    def __init__(self, model, batch: SequenceBatch, drafters: list[Drafter], policy: SpecPolicy,
+                 sampler: TokenSampler, stopping_criteria, freeze_finished: bool = True, streamer=None,
+                 timed: bool = False):
+        self.batch, self.target, self.drafters, self.policy = batch, CachedModel(model), drafters, policy
         self.sampler, self.stopping_criteria = sampler, stopping_criteria
         self.freeze_finished, self.streamer = freeze_finished, streamer
         n = batch.tokens.shape[0]                                            # every row, active or not
@@ -94,9 +94,9 @@ class _Loop:
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
         # step phases are timed only for policies that read the times: a sync costs a GPU its queue
-        device = target.device
+        device = self.target.device
         self._sync = (lambda: device_sync(device)) if timed or policy.reads_times else (lambda: None)
-        self._controls, self._trims = policy.length.drafting_hooks()
+        self._controls, self._trims = policy.length.stops_drafting, policy.length.trims_drafts
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
         eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
@@ -104,19 +104,27 @@ class _Loop:
         self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria),
                                default=batch.max_length + 1)      # none: rows stop at their limit only
 
-    def run(self) -> SpecStats:
+    def begin(self) -> None:
+        """Empty caches for the active rows (none for a serving run, whose rows `join`)."""
+        batch = self.batch
+        self.target.reset(batch)
+        for drafter in self.drafters:
+            drafter.begin(batch, self.sampler)
+        if self.policy.offload is not None:
+            self.policy.offload.begin(self.drafters, batch)
         names = [d.name for d in self.drafters]
-        names = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
-        stats = SpecStats(drafter_names=names)
-        self.policy.begin(self.context(0))
-        stats.prime_seconds = self.prime()
+        self.stats = SpecStats(drafter_names=[n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)])
+        self.policy.begin(self.context(0) if len(batch.active) else StepContext(0, 0, len(self.drafters)))
+
+    def run(self) -> SpecStats:
+        """generate(): every active row to its end."""
+        self.begin()
+        self.stats.prime_seconds = self.prime()
         while len(self.batch.active):
-            record = self.step(len(stats.steps))
-            stats.steps.append(record)
-            self.policy.observe(record)
+            self.step()
             self.stream(final=False)
         self.stream(final=True)
-        return stats
+        return self.stats
 
     def prime(self) -> float:
         """Warm start: score every drafter on the selector's `prompt_positions` last prompt
@@ -142,16 +150,17 @@ class _Loop:
         lengths = batch.lengths[rows] if lengths is None else lengths
         # one host sync for every number (a plain step on a small model is ~10 ms: this runs each step)
         numbers = [(lengths - batch.real_start(rows)).sum(), lengths.max()]
-        numbers += [d.runner.lag(batch, lengths).max() for d in self.drafters if isinstance(d, ModelDrafter)]
+        lags = (d.lag(batch, lengths) for d in self.drafters)
+        numbers += [lag.max() for lag in lags if lag is not None]
         numbers = torch.cat([self.limit[rows] - lengths, torch.stack(numbers)]).tolist()
         rooms, (context_tokens, self.longest, *lags) = sorted(numbers[:len(rows)]), numbers[len(rows):]
         self.least_room = rooms[0] - 1                  # drafts that fit in every row
         return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
-                           max_lag=max(lags, default=0), remaining=rooms[-1], rooms=rooms,
-                           static_batch=self.static_batch)
+                           max_lag=max(lags, default=0), remaining=rooms[-1])
 
-    def step(self, index: int) -> StepRecord:
-        begin = time.perf_counter()
+    def step(self) -> StepRecord:
+        """One step of the active rows (see the module docstring); the policy observes it."""
+        begin, index = time.perf_counter(), len(self.stats.steps)
         batch, rows = self.batch, self.batch.active
         start = batch.lengths[rows]                                       # [n] (indexing copies)
         ctx = self.context(index, start)
@@ -186,16 +195,8 @@ class _Loop:
         self._sync()
 
         t1 = time.perf_counter()
-        pending, real = self.target.pending(batch, start)
-        spec_start = self.target.num_slots + pending.shape[1]
-        if width:
-            draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
-            pending, real = torch.cat([pending, draft_tokens], 1), torch.cat([real, draft_real], 1)
-        logits = self.target.forward(pending, real, width + 1)
-        scores = self.sampler.scores(batch, logits)                       # [n, k+1, vocab]
-        result = verify_module.verify(draft_tokens, draft_lens, scores, draft_probs,
-                                      self.sampler.do_sample, self.sampler.generator)
-        self.target.rollback(spec_start, result.num_accepted)
+        verified = target_verify(self.target, batch, start, draft_tokens, draft_lens, draft_probs, self.sampler)
+        result, scores = verified.result, verified.scores                 # scores: [n, k+1, vocab]
         if drafter_s:
             chosen = torch.tensor(choice, device=start.device)
             for d in drafter_s:
@@ -210,7 +211,7 @@ class _Loop:
         else:
             proposed = accepted = [0] * len(rows)
             batch.tokens[rows, start] = result.next_tokens
-        emitted, stopped = self.cut_at_stops(start, result.num_accepted + 1, width + 1, self.longest)
+        emitted, stopped = self.cut_at_stops(rows, start, result.num_accepted + 1, width + 1, self.longest)
         batch.lengths[rows] = start + emitted
         emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
         record = StepRecord(batch_size=len(rows), drafters=choice, k=k, k_chosen=decision.length, proposed=proposed,
@@ -224,7 +225,33 @@ class _Loop:
             if keep is not None:
                 start, scores = start[keep], scores[keep]
             self.feedback(record, start, scores)
+        self.stats.steps.append(record)
+        self.policy.observe(record)
         return record
+
+    def join(self, rows: torch.Tensor, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+             limits: torch.Tensor) -> None:
+        """Start new requests in inactive `rows` [m] (continuous batching): prompts [m, p] (left-padded,
+        mask [m, p]) are prefilled on their own by the target, which picks each one's first token, and
+        by the drafters; their caches then follow the running rows', and they decode until their
+        total length reaches `limits` [m] or a stop."""
+        batch = self.batch
+        batch.refill(rows, input_ids, attention_mask)
+        self.limit[rows], self.stopped_at[rows] = limits, -1
+        self.policy.selector.join(rows.tolist())
+        joining = batch.view(active=rows)
+        joiner = CachedModel(self.target.model)
+        joiner.reset(joining, from_first_real=True)       # prompts sit left-padded to the batch's width
+        logits = joiner.forward(*joiner.pending(joining), keep=1)             # [m, 1, vocab]
+        batch.tokens[rows, batch.prompt_len] = self.sampler.pick(self.sampler.scores(joining, logits)[:, 0])
+        batch.lengths[rows] += 1                  # the first token is the target's lag: 1, as for all
+        self.cut_at_stops(rows, batch.lengths[rows] - 1, torch.ones_like(rows))
+        resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
+        for drafter in self.drafters:
+            drafter.add_rows(joining, prefill=resident)
+        self.target.append(joiner)
+        batch.active = torch.cat([batch.active, rows])
+        self.retire_finished()                    # one-token requests, or a first token that stops
 
     def propose(self, choice: list[int], k: int, drafter_s: dict) -> Proposal:
         """Each row's drafts from its chosen drafter; a drafter proposes for the whole batch (its
@@ -264,19 +291,18 @@ class _Loop:
         record.gammas = {row: gammas[i, :count[i]].tolist() for i, row in enumerate(self.batch.active.tolist())}
         record.replay_s = dict(enumerate(seconds))
 
-    def cut_at_stops(self, start: torch.Tensor, emitted: torch.Tensor, most: int | None = None,
+    def cut_at_stops(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, most: int | None = None,
                      longest: int | None = None) -> tuple[torch.Tensor, bool]:
-        """Check the stopping criteria after each new token, as generate() does per step; returns
-        the number of new tokens each row keeps [n] and whether any row stopped. most: the
-        largest `emitted`, if known (saves a host sync); longest: the largest `start`, if known."""
-        rows = self.batch.active
+        """Check the stopping criteria after each new token of `rows` [n], as generate() does per
+        step; returns the number of new tokens each row keeps [n] and whether any row stopped.
+        most: the largest `emitted`, if known (saves a host sync); longest: the largest `start`."""
         if self._plain_criteria:
             most = int(emitted.max()) if most is None else most
-            stopped = self._plain_stops(start, emitted, most, longest)
+            stopped = self._plain_stops(rows, start, emitted, most, longest)
             if stopped is None:
                 return emitted, False
         else:
-            stopped = self._stops_by_call(start, emitted)
+            stopped = self._stops_by_call(rows, start, emitted)
             if max(stopped) < 0:             # nothing stopped (most steps): nothing to write or cut
                 return emitted, False
             stopped = torch.tensor(stopped, device=rows.device)
@@ -291,10 +317,9 @@ class _Loop:
             emitted = torch.minimum(emitted, self.limit[rows] - start)
         return emitted, True
 
-    def _stops_by_call(self, start: torch.Tensor, emitted: torch.Tensor) -> list[int]:
-        """Any criteria: one call per distinct prefix length, grouped in Python. Returns per active
-        row the length at which it stopped, -1 if it did not."""
-        rows = self.batch.active
+    def _stops_by_call(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor) -> list[int]:
+        """Any criteria: one call per distinct prefix length, grouped in Python. Returns per row the
+        length at which it stopped, -1 if it did not."""
         starts, counts, stopped = start.tolist(), emitted.tolist(), self.stopped_at[rows].tolist()
         for j in range(1, max(counts) + 1):
             groups: dict[int, list[int]] = {}
@@ -309,13 +334,13 @@ class _Loop:
                         stopped[i] = length
         return stopped
 
-    def _plain_stops(self, start: torch.Tensor, emitted: torch.Tensor, most: int,
+    def _plain_stops(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, most: int,
                      longest: int | None) -> torch.Tensor | None:
         """generate()'s own criteria (max length, EOS) judged for every new token at once, as the
         calls above would (they see only the length and the last token): a step that emits k + 1
         tokens per row at different lengths would otherwise cost up to (k + 1) x rows criteria calls.
         None if no row stopped (active rows never had: a stop here retires its row)."""
-        rows, tokens = self.batch.active, self.batch.tokens
+        tokens = self.batch.tokens
         reaches_max = longest is None or longest + most >= self._max_length     # a row may reach max_length
         if self._eos is None and not reaches_max:
             return None
@@ -403,7 +428,7 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
                          "hf_specdec.enable(model, loop='transformers') runs it through Transformers' assisted loop")
     drafters = _check_drafters(model, assistant_models)
     if spec_policy is None or spec_policy == "auto":
-        scorable = all(type(d).replay is not Drafter.replay for d in drafters)
+        scorable = all(d.scorable for d in drafters)
         known, key = _AUTO_POLICIES.setdefault(model, {}), tuple(map(_identity, drafters))
         policy = known.get(key) or known.setdefault(key, auto_policy(len(drafters), scorable))
     else:
@@ -415,10 +440,11 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
                          f"this target ({costmodel.model_key(model)!r}); profile this target (python -m hf_specdec "
                          "profile) or give the policy no profile to have it measured")
     if policy.wants_feedback(0) or policy.selector.prompt_positions:
-        blind = [i for i, d in enumerate(drafters) if type(d).replay is Drafter.replay]
+        blind = [i for i, d in enumerate(drafters) if not d.scorable]
         if blind:
             raise ValueError(f"{policy.selector!r} scores every drafter, but assistant_models{blind} do not "
-                             "implement Drafter.replay; use a selector without full-information feedback")
+                             "implement Drafter.replay (Drafter.scorable); use a selector without full-information "
+                             "feedback")
     return drafters, policy
 
 

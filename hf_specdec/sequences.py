@@ -6,6 +6,8 @@ so logits processors see `prefix + drafts[:j]`, and the verified tokens overwrit
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -29,6 +31,17 @@ class SequenceBatch:
         self._real_start = prompt_len - self.prompt_mask.sum(1)         # [batch]: first real token
         # rows still decoding (indices into the full batch); models hold caches for these only
         self.active = torch.arange(batch, device=device)               # [n_active]
+
+    def view(self, active: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> "SequenceBatch":
+        """The same buffer (token writes go through) with other active rows [m] and/or row lengths
+        [batch]: what part of a step acts on (a hierarchy's inner chain, rows joining a running
+        batch), leaving this batch's own unchanged. Short-lived: it must not `reserve`."""
+        out = copy.copy(self)
+        if active is not None:
+            out.active = active
+        if lengths is not None:
+            out.lengths = lengths
+        return out
 
     @property
     def capacity(self) -> int:

@@ -37,8 +37,7 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         length = input_ids.shape[1]
         ctx = StepContext(step=self.step, batch_size=1, num_drafters=len(self.children), rows=[0],
-                          context_tokens=length, remaining=max(self.max_length - length, 0),
-                          rooms=[max(self.max_length - length, 0)], static_batch=True)
+                          context_tokens=length, remaining=max(self.max_length - length, 0))
         if self.step == 0:
             self.policy.begin(ctx)
         decision = self.policy.choose(ctx)
@@ -95,7 +94,7 @@ def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, Spe
     policy = resolve_policy(spec_policy, len(drafters))
     # a confidence stop is Transformers' generators' own; any other per-token hook they cannot ask
     threshold = policy.length.threshold if isinstance(policy.length, (ConfidenceThreshold, HFHeuristic)) else None
-    if threshold is None and policy.length.drafting_hooks() != (False, False):
+    if threshold is None and (policy.length.stops_drafting or policy.length.trims_drafts):
         raise ValueError(f"{policy.length!r} stops or trims drafts per token, which Transformers' loop cannot ask; "
                          "use it with the batched loop (enable(model)) or pick a per-step length policy")
     if policy.offload is not None or kwargs.get("spec_generator") is not None:

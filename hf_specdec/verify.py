@@ -10,8 +10,14 @@ point mass: q_j = 1 at x_j. Greedy decoding: accept while x_j == argmax p_j.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .cached_model import CachedModel
+    from .sampling import TokenSampler
+    from .sequences import SequenceBatch
 
 
 @dataclass
@@ -66,3 +72,39 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
     p_next = torch.where(rejected[:, None], residual, p_next)
     next_tokens = torch.multinomial(p_next, 1, generator=generator).squeeze(1)
     return VerifyResult(num_accepted, next_tokens)
+
+
+@dataclass
+class Verified:
+    result: VerifyResult
+    scores: torch.Tensor   # [n, w+1, vocab] processed scores of positions start .. start + w
+    logits: torch.Tensor   # [n, w+1, vocab] the verifier's logits of those positions
+
+
+def target_verify(model: CachedModel, batch: SequenceBatch, start: torch.Tensor, drafts: torch.Tensor,
+                  draft_lens: torch.Tensor, draft_probs: torch.Tensor | None, sampler: TokenSampler,
+                  head: torch.Tensor | None = None) -> Verified:
+    """Verify drafts with `model`: the target of a step, or a hierarchy's intermediate model.
+
+    One forward over each active row's tokens not yet fed up to start[b] (its length) and its
+    drafts [n, w], already written at start[b] (row b proposes its first draft_lens[b]); `verify`;
+    the model's cache keeps each row's accepted drafts and forgets the rest. head: [n, vocab] logits
+    of position start[b], when the model has fed every row up to start: only the drafts are fed.
+    """
+    width = drafts.shape[1]
+    draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
+    if head is not None:
+        spec_start = model.num_slots
+        logits = head[:, None]
+        if width:
+            logits = torch.cat([logits, model.forward(drafts, draft_real, width)], 1)
+    else:
+        pending, real = model.pending(batch, start)
+        spec_start = model.num_slots + pending.shape[1]
+        if width:
+            pending, real = torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1)
+        logits = model.forward(pending, real, width + 1)
+    scores = sampler.scores(batch, logits)                            # [n, w+1, vocab]
+    result = verify(drafts, draft_lens, scores, draft_probs, sampler.do_sample, sampler.generator)
+    model.rollback(spec_start, result.num_accepted)
+    return Verified(result, scores, logits)

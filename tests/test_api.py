@@ -117,8 +117,8 @@ def test_public_surface_is_what_users_call():
 
 
 @pytest.mark.parametrize("policy,syncs_per_step", [
-    ("fixed:3", 0), ("hf-heuristic:3", 0), ("confidence", 0), (hf_specdec.HedgeSpec(), 0),
-    ("nightjar", 2), ("dsd", 2), (hf_specdec.HedgeSpec(cost_aware=True), 2),
+    ("fixed:3", 0), ("hf-heuristic:3", 0), ("confidence", 0), (hf_specdec.HedgeSpec(), 0), ("dsd", 0),
+    ("adaspec", 0), ("nightjar", 2), (hf_specdec.HedgeSpec(cost_aware=True), 2),
 ])
 def test_device_syncs_only_for_policies_that_read_times(monkeypatch, tmp_path, policy, syncs_per_step):
     """On a GPU each phase a policy times costs a sync; counted here on CPU by the call."""

@@ -55,9 +55,6 @@ def test_requests_joining_mid_run_decode_as_if_alone(models, name):
     assert joined_mid_run                                        # the test exercises joining
     for request, prompt in zip(requests, prompts):
         assert result.outputs[request.id] == alone(target, prompt, request.output_len), request
-    if isinstance(policy, hf_specdec.SpecPolicy) and isinstance(policy.length, Scripted):
-        # finished rows are refilled: no row waits for a slower one (length policies' `straggler`)
-        assert policy.length.contexts and not any(c.static_batch for c in policy.length.contexts)
 
 
 @pytest.mark.parametrize("name", POLICIES)

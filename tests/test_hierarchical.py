@@ -9,7 +9,8 @@ from helpers import assert_same, spec
 from hf_specdec.testing import build, noisy_copy, prompts
 from test_sampling import N, SAMPLING, TV_BOUND, VOCAB, broken_verify, exact_two_token_distribution
 
-hierarchy_module = importlib.import_module("hf_specdec.drafters.hierarchical")
+verify_module = importlib.import_module("hf_specdec.verify")
+drafter_module = importlib.import_module("hf_specdec.drafters.model")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,11 @@ def test_sampling_distribution_is_the_targets(small_vocab):
 def test_negative_control_a_broken_inner_sampler_is_caught(small_vocab, monkeypatch):
     """If the intermediate accepted every draft, the chain's tokens would not follow its q."""
     target, intermediate, draft, prompt, exact = small_vocab
-    monkeypatch.setattr(hierarchy_module, "verify", broken_verify)
+    def intermediate_verifies_brokenly(*args, **kwargs):     # the target's verification stays right
+        with monkeypatch.context() as patch:
+            patch.setattr(verify_module, "verify", broken_verify)
+            return verify_module.target_verify(*args, **kwargs)
+    monkeypatch.setattr(drafter_module, "target_verify", intermediate_verifies_brokenly)
     h = hf_specdec.HierarchicalDrafter(draft, intermediate, draft_len=1, cycles=2)
     tv = 0.5 * (first_two_tokens(target, h, prompt, seed=1) - exact).abs().sum()
     assert tv > 2 * TV_BOUND, f"a broken inner acceptance rule went unnoticed (TV {tv:.4f})"

@@ -10,7 +10,7 @@ from hf_specdec.verify import VerifyResult, verify
 from helpers import assert_same, spec
 from hf_specdec.testing import build, noisy_copy
 
-generate_module = importlib.import_module("hf_specdec.generate")  # the module, not the function
+verify_module = importlib.import_module("hf_specdec.verify")
 
 VOCAB = 6
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5, repetition_penalty=1.3)
@@ -90,7 +90,7 @@ def test_distribution_matches_target_with_per_row_drafters(setup):
 @pytest.mark.parametrize("broken", [broken_verify, residual_from_p_verify])
 def test_negative_control_broken_sampler_is_caught(setup, monkeypatch, broken):
     target, draft, prompt, exact = setup
-    monkeypatch.setattr(generate_module.verify_module, "verify", broken)
+    monkeypatch.setattr(verify_module, "verify", broken)     # what every target_verify calls
     tv = 0.5 * (empirical(target, draft, prompt, N, seed=1) - exact).abs().sum()
     assert tv > 3 * TV_BOUND, f"a broken acceptance rule went unnoticed (TV {tv:.4f})"
 

@@ -65,6 +65,8 @@ def test_simulator_rows_without_drafts_verify_only_their_next_token():
 def test_simulator_calls_the_length_policys_drafting_hooks():
     # the policy asks for 3 drafts, stops drafting after 2 and has row 1 verify none of them
     class StopsEarly(LengthPolicy):
+        stops_drafting = trims_drafts = True
+
         def choose(self, ctx):
             return 3
         def continue_drafting(self, confidences):

@@ -38,10 +38,16 @@ class Drafter:
     Lifecycle per `generate()` call: `begin` once, then per step (only when chosen) `propose`
     followed by `accepted` with the verified outcome; `select_rows` whenever rows finish.
     A drafter that is not chosen for a step does nothing and simply lags behind.
+
+    What a drafter can do beyond proposing is declared, not detected:
+    `scorable`: it implements `replay` (full-information feedback for drafter selection);
+    `joinable`: it implements `add_rows` (requests joining a running batch).
     """
 
     name: str = "drafter"
     vocab_size: int | None = None  # None: proposes token ids only (any vocabulary size)
+    scorable: bool = False
+    joinable: bool = False
 
     def begin(self, batch: SequenceBatch, sampler: TokenSampler) -> None:
         self.sampler = sampler
@@ -54,6 +60,11 @@ class Drafter:
 
     def accepted(self, num_accepted: torch.Tensor) -> None:
         """Row b accepted the first num_accepted[b] tokens of the last proposal."""
+
+    def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
+        """Tokens each active row must feed before it drafts [n], given the rows' lengths [n] (a
+        tensor, so the loop reads every row's number in one host sync); None: it never lags."""
+        return None
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
@@ -78,16 +89,20 @@ class Drafter:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
     def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
-        """New requests join (continuous batching): `batch.active` are the joining rows only (their
-        prompt and first token written), and they follow the running rows from now on. With
-        `prefill`, feed them now."""
-        if self.models():
-            raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-run")
+        """New requests join (continuous batching, `joinable` drafters): `batch.active` are the
+        joining rows only (their prompt and first token written), and they follow the running rows
+        from now on. With `prefill`, feed them now."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-run")
 
 
 class LookupDrafter(Drafter):
     """A model-free drafter: a deterministic continuation of each row's tokens (q = point mass).
     Subclasses define `continuation`; rows without one propose nothing."""
+
+    scorable = joinable = True
+
+    def add_rows(self, batch, prefill):
+        pass              # it reads each row's tokens afresh at every proposal
 
     def continuation(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         """Up to k tokens [<= k] to follow the row's tokens `seq` [length] (no padding)."""

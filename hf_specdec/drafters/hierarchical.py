@@ -22,7 +22,6 @@ import torch
 from ..policies import FixedLength, LengthPolicy, StepContext
 from ..sequences import SequenceBatch
 from ..stats import StepRecord
-from ..verify import verify
 from .base import Controller, Drafter, Prediction, Proposal
 from .model import ModelDrafter
 
@@ -80,38 +79,35 @@ class HierarchicalDrafter(Drafter):
         self.inner_length.begin(self._context(batch))
 
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
+        # a cycle writes at most k tokens per row past what the row has produced so far
+        batch.reserve(self.cycles * k + 1)
         rows = batch.active
         start = batch.lengths[rows].clone()                                 # [n]
         produced = torch.zeros_like(start)                                  # [n] tokens made so far
-        saved = batch.lengths.clone()
+        lengths = batch.lengths.clone()
+        chain = batch.view(lengths=lengths)       # the chain's row ends; the batch's stay at `start`
         logits_out, scores_out = [], []                                     # per cycle: [n, w+1, vocab]
         columns = []                                                        # per cycle: [n, w+1] output column
-        try:
-            for _ in range(self.cycles):
-                missing = int((k - produced).max())
-                if missing <= 0:
-                    break
-                batch.lengths[rows] = start + produced                      # the chain's own prefix
-                logits, scores, accepted = self._cycle_once(batch, min(self._inner_k(batch), missing - 1))
-                at = produced[:, None] + torch.arange(logits.shape[1], device=start.device)[None, :]
-                columns.append(torch.where(torch.arange(logits.shape[1], device=start.device)[None, :]
-                                           <= accepted[:, None], at, -1))
-                logits_out.append(logits)
-                scores_out.append(scores)
-                produced += accepted + 1
-        finally:
-            batch.lengths.copy_(saved)
+        for _ in range(self.cycles):
+            missing = int((k - produced).max())
+            if missing <= 0:
+                break
+            lengths[rows] = start + produced
+            logits, scores, accepted = self._cycle_once(chain, min(self._inner_k(chain), missing - 1))
+            steps = torch.arange(logits.shape[1], device=start.device)[None, :]
+            columns.append(torch.where(steps <= accepted[:, None], produced[:, None] + steps, -1))
+            logits_out.append(logits)
+            scores_out.append(scores)
+            produced += accepted + 1
         self._start, self._produced = start, produced
         # gather each row's output columns 0..k-1 from the cycles that made them
         width = int(produced.clamp(max=k).max())
         # logits one column further: after k accepted tokens, the next prediction is known too
-        logits = self._gather(columns, logits_out, int(produced.clamp(max=k + 1).max()))
+        self._logits = self._gather(columns, logits_out, int(produced.clamp(max=k + 1).max()))
         scores = self._gather(columns, scores_out, width)
         tokens = batch.tokens[rows[:, None], start[:, None] + torch.arange(width, device=start.device)[None, :]]
         dist = self.sampler.probs(scores)
         confidence = dist.gather(-1, tokens[..., None]).squeeze(-1)
-        # the intermediate now holds its logits for positions start.. (its replay needs no forward)
-        self.upper._known, self.upper._known_start = logits, start
         return Proposal(tokens, produced.clamp(max=k), dist if self.sampler.do_sample else None, confidence)
 
     def _context(self, batch: SequenceBatch) -> StepContext:
@@ -128,7 +124,6 @@ class HierarchicalDrafter(Drafter):
         positions from the row's length on, and the accepted counts [n]."""
         rows = batch.active
         length = batch.lengths[rows]
-        batch.reserve(kd + 1)
         t0 = time.perf_counter()
         if kd:
             proposal = self.lower.propose(batch, kd)
@@ -137,24 +132,12 @@ class HierarchicalDrafter(Drafter):
             drafts, probs = proposal.tokens[:, :width], proposal.probs
             probs = probs[:, :width] if probs is not None else None
         else:
-            lens = torch.zeros_like(length)
-            width, drafts, probs = 0, torch.zeros(len(rows), 0, dtype=torch.long, device=length.device), None
+            lens, probs = torch.zeros_like(length), None
+            drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=length.device)
         batch.write(rows, length, drafts)
         t1 = _synced_clock(length)
-        runner, head = self.upper.runner, self.upper._head
-        draft_real = torch.arange(width, device=length.device)[None, :] < lens[:, None]
-        if head is not None and int(runner.lag(batch).max()) == 0:        # caught up by a replay
-            spec_start = runner.num_slots
-            rest = runner.forward(drafts, draft_real, width) if width else head[:, None][:, :0]
-            logits = torch.cat([head[:, None], rest], 1)
-        else:
-            pending, real = runner.pending(batch)
-            spec_start = runner.num_slots + pending.shape[1]
-            logits = runner.forward(torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1), width + 1)
-        self.upper._head = None
-        scores = self.sampler.scores(batch, logits)
-        result = verify(drafts, lens, scores, probs, self.sampler.do_sample, self.sampler.generator)
-        runner.rollback(spec_start, result.num_accepted)
+        verified = self.upper.verify(batch, drafts, lens, probs)
+        result = verified.result
         if kd:
             self.lower.accepted(result.num_accepted)
         batch.tokens[rows, length + result.num_accepted] = result.next_tokens
@@ -168,7 +151,7 @@ class HierarchicalDrafter(Drafter):
                                              emitted=(result.num_accepted + 1).tolist(), draft_s=t1 - t0,
                                              verify_s=t2 - t1, rows=rows.tolist()))
         self._cycle += 1
-        return logits, scores, result.num_accepted
+        return verified.logits, verified.scores, result.num_accepted
 
     @staticmethod
     def _gather(columns: list[torch.Tensor], values: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -184,7 +167,13 @@ class HierarchicalDrafter(Drafter):
         """The target accepted num_accepted[b] of row b's tokens: both levels forget the rest."""
         self.discard_after(self._start + num_accepted)
         # logits after each accepted token are still right; the next one too, if it was produced
-        self.upper._known_count = torch.minimum(num_accepted + 1, self._produced)
+        self.upper.remember(self._logits, self._start, torch.minimum(num_accepted + 1, self._produced))
+
+    scorable = True
+
+    def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
+        lags = [lag for lag in (self.lower.lag(batch, lengths), self.upper.lag(batch, lengths)) if lag is not None]
+        return torch.stack(lags).amax(0) if lags else None
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """The chain proposes from the intermediate's distribution: score that."""

@@ -5,6 +5,7 @@ import torch
 
 from ..cached_model import CachedModel
 from ..sequences import SequenceBatch
+from ..verify import Verified, target_verify
 from .base import Controller, Drafter, Prediction, Proposal
 
 
@@ -18,6 +19,8 @@ def output_vocab_size(model: torch.nn.Module) -> int:
 
 
 class ModelDrafter(Drafter):
+    scorable = joinable = True
+
     def __init__(self, model: torch.nn.Module, name: str | None = None):
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"ModelDrafter(model) takes one Transformers causal LM, got {type(model).__name__}"
@@ -76,11 +79,30 @@ class ModelDrafter(Drafter):
         return Proposal(torch.stack(drafts, 1), torch.tensor(lengths, device=start.device),
                         torch.stack(probs, 1) if probs else None, torch.stack(confidence, 1))
 
+    def lag(self, batch, lengths):
+        return self.runner.lag(batch, lengths)
+
     def accepted(self, num_accepted):
         kept = num_accepted.clamp(max=self._fed_drafts)
         self.runner.rollback(self._spec_start, kept)
         self._known_count = kept + 1     # the logits after each kept draft are still right
         self._spec_start = None
+
+    def verify(self, batch: SequenceBatch, drafts: torch.Tensor, draft_lens: torch.Tensor,
+               draft_probs: torch.Tensor | None) -> Verified:
+        """This model verifies another drafter's drafts [n, w], written at each active row's end
+        (the intermediate of a hierarchy): `target_verify` on its cache, from the logits it holds
+        when a replay caught it up."""
+        caught_up = self._head is not None and int(self.runner.lag(batch).max()) == 0
+        head, self._head = self._head if caught_up else None, None
+        return target_verify(self.runner, batch, batch.lengths[batch.active], drafts, draft_lens, draft_probs,
+                             self.sampler, head)
+
+    def remember(self, logits: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
+        """Logits [n, w, vocab] this model computed for positions start[b] .. of each active row, the
+        first count[b] of which still hold (a hierarchy verified with it): `replay` and the next
+        proposal need no forward for them."""
+        self._known, self._known_start, self._known_count = logits, start, count
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """Feed the verified tokens not yet in the cache and return the drafter's prediction at

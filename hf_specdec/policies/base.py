@@ -36,9 +36,6 @@ class StepContext:
     context_tokens: int = 0   # real tokens held by the active rows (prompt + output so far)
     max_lag: int = 0          # largest per-row lag of any model drafter (tokens it must catch up)
     remaining: int = 0        # most new tokens any active row may still emit (0: unknown)
-    rooms: list[int] = field(default_factory=list)  # new tokens the active rows may still emit,
-                                                    # ascending (empty: unknown)
-    static_batch: bool = False  # the call waits for its slowest row (generate()); serving refills rows
 
 
 @dataclass
@@ -49,10 +46,14 @@ class Decision:
 
 class LengthPolicy:
     """`choose` the step's maximal draft length k; while drafting, `continue_drafting` may stop
-    rows early; before verification, `verify_lengths` may drop tail drafts of any row."""
+    rows early (a policy that does says `stops_drafting`); before verification, `verify_lengths`
+    may drop tail drafts of any row (`trims_drafts`). Loops call these hooks only where declared:
+    they read every draft's confidence, a host sync per draft token."""
 
     # observe() weighs the step's seconds: the loop must time it (on a GPU, a device sync per phase)
     reads_times = True
+    stops_drafting = False
+    trims_drafts = False
 
     def begin(self, ctx: StepContext) -> None:
         """A generate() call starts (ctx.step == 0); reset per-call state."""
@@ -69,13 +70,6 @@ class LengthPolicy:
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         """How many of each row's drafts to verify (<= len(confidences[b]))."""
         return [len(row) for row in confidences]
-
-    def drafting_hooks(self) -> tuple[bool, bool]:
-        """Whether this policy overrides (continue_drafting, verify_lengths): loops call them only
-        then (reading confidences costs a host sync per draft token)."""
-        kind = type(self)
-        return (kind.continue_drafting is not LengthPolicy.continue_drafting,
-                kind.verify_lengths is not LengthPolicy.verify_lengths)
 
     def observe(self, record: StepRecord) -> None:
         pass

@@ -32,15 +32,13 @@ class HFHeuristic(LengthPolicy):
         if non_negative_int(initial, "HFHeuristic(initial)") < 1:
             raise ValueError(f"HFHeuristic(initial) must be >= 1, got {initial}")
         self.k, self.threshold = initial, probability(threshold, "HFHeuristic(threshold)")
+        self.stops_drafting = threshold > 0      # else no confidence is read: no host sync per draft
 
     def choose(self, ctx: StepContext) -> int:
         return self.k
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
         return [row[-1] >= self.threshold for row in confidences]
-
-    def drafting_hooks(self) -> tuple[bool, bool]:
-        return self.threshold > 0, False     # no confidence stop: no host sync per draft token
 
     def observe(self, record: StepRecord) -> None:
         if record.k == 0:
@@ -58,6 +56,7 @@ class ConfidenceThreshold(LengthPolicy):
     after a token whose draft probability is below `threshold`; at most `max_len` tokens."""
 
     reads_times = False
+    stops_drafting = True
 
     def __init__(self, threshold: float = 0.4, max_len: int = 20):
         probability(threshold, "ConfidenceThreshold(threshold)")

@@ -1,5 +1,5 @@
 """Continuous batching on a real model: requests arrive over time, join the running batch between
-steps and leave when done; every step is the library's batched speculative step (`_Loop.step`),
+steps and leave when done; every step is the library's batched speculative step (`DecodingLoop.step`),
 so the spec policy and the offload manager act each step on the current batch.
 
 An evaluation harness, not a server: one process, requests given up front with arrival times.
@@ -13,33 +13,17 @@ that idle gaps (nothing running, next arrival in the future) are skipped rather 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import Sequence
 
 import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
-from ..cached_model import CachedModel
-from ..drafters import Drafter
-from ..generate import _Loop, check_spec_args, ensure_profile
-from ..offload import RESIDENT
-from ..policies import StepContext
+from ..generate import DecodingLoop, check_spec_args, ensure_profile
 from ..sampling import TokenSampler
 from ..sequences import SequenceBatch
-from ..stats import SpecStats
 from .simulator import RequestResult, RunResult, RunStep
 from .workload import Request
-
-
-@contextmanager
-def _only(batch: SequenceBatch, rows: torch.Tensor):
-    """Within the block, `rows` are the batch's active rows (what the models and sampler act on)."""
-    active, batch.active = batch.active, rows
-    try:
-        yield
-    finally:
-        batch.active = active
 
 
 class Engine:
@@ -55,7 +39,7 @@ class Engine:
                 raise ValueError(f"Engine({name}) must be an integer >= 1, got {value!r}")
         self.model = model
         self.drafters, self.policy = check_spec_args(model, assistant_models, spec_policy)
-        stuck = [i for i, d in enumerate(self.drafters) if d.models() and type(d).add_rows is Drafter.add_rows]
+        stuck = [i for i, d in enumerate(self.drafters) if not d.joinable]
         if stuck:
             raise ValueError(f"assistant_models{stuck} cannot take requests mid-run; the engine runs model "
                              "drafters (ModelDrafter, plain causal LMs) and lookup drafters")
@@ -76,17 +60,11 @@ class Engine:
         empty = torch.full((self.max_batch, self.max_prompt_len), self.pad, device=device)
         batch = SequenceBatch(empty, torch.zeros_like(empty), max_length=1 << 30, pad_token_id=self.pad)
         batch.active = batch.active[:0]
-        target = CachedModel(self.model)
-        target.reset(batch)
-        sampler = TokenSampler(None, False, None)
-        for drafter in self.drafters:
-            drafter.begin(batch, sampler)
-        if self.policy.offload is not None:
-            self.policy.offload.begin(self.drafters, batch)
         stops = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
-        loop = _Loop(batch, target, self.drafters, self.policy, sampler, stops, True, None, static_batch=False,
-                     timed=True)      # request latencies are measured
-        self.stats = SpecStats(drafter_names=[d.name for d in self.drafters])
+        loop = DecodingLoop(self.model, batch, self.drafters, self.policy, TokenSampler(None, False, None), stops,
+                            timed=True)      # request latencies are measured
+        loop.begin()
+        self.stats = loop.stats
 
         waiting = sorted(zip(requests, prompts), key=lambda rp: rp[0].arrival)
         serving: dict[int, tuple[Request, float]] = {}       # row -> (request, first-token time)
@@ -94,7 +72,6 @@ class Engine:
         start, skipped = time.perf_counter(), 0.0
         def now() -> float:
             return time.perf_counter() - start + skipped
-        self.policy.begin(StepContext(0, 0, len(self.drafters)))
         while waiting or serving:
             if not serving and waiting[0][0].arrival > now():
                 skipped += waiting[0][0].arrival - now()      # idle: jump to the next arrival
@@ -104,13 +81,15 @@ class Engine:
                 joining.append(waiting.pop(0))
             if joining:
                 rows = torch.tensor(free[: len(joining)], device=device)
-                self._join(loop, rows, joining)
+                width = max(len(p) for _, p in joining)
+                ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for _, p in joining], device=device)
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in joining], device=device)
+                limits = batch.prompt_len + torch.tensor([r.output_len for r, _ in joining], device=device)
+                loop.join(rows, ids, mask, limits)
                 t = now()
                 serving.update({int(row): (req, t) for row, (req, _) in zip(rows, joining)})
             if len(batch.active):
-                record = loop.step(len(self.stats.steps))
-                self.stats.steps.append(record)
-                self.policy.observe(record)
+                record = loop.step()
                 result.steps.append(RunStep(now(), record.batch_size, record.k, sum(record.emitted)))
             t, active = now(), set(batch.active.tolist())
             for row in [row for row in serving if row not in active]:      # finished: frees its row
@@ -119,29 +98,3 @@ class Engine:
                 result.outputs[request.id] = produced
                 result.requests.append(RequestResult(request, first, t, len(produced)))
         return result
-
-    def _join(self, loop: _Loop, rows: torch.Tensor, joining: list[tuple[Request, Sequence[int]]]) -> None:
-        """Write the prompts into free `rows`, prefill them in the drafters and the target, pick each
-        one's first token, and append them to the running rows (those not already finished)."""
-        batch, device = loop.batch, rows.device
-        width = max(len(p) for _, p in joining)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for _, p in joining], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in joining], device=device)
-        batch.refill(rows, ids, mask)
-        loop.limit[rows] = batch.prompt_len + torch.tensor([r.output_len for r, _ in joining], device=device)
-        loop.stopped_at[rows] = -1
-        self.policy.selector.join(rows.tolist())
-        resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
-        joiner = CachedModel(self.model)
-        with _only(batch, rows):
-            joiner.reset(batch, from_first_real=True)    # prompts sit left-padded to max_prompt_len
-            logits = joiner.forward(*joiner.pending(batch), keep=1)             # [m, 1, vocab]
-            first = loop.sampler.pick(loop.sampler.scores(batch, logits)[:, 0])
-            batch.tokens[rows, batch.prompt_len] = first
-            batch.lengths[rows] += 1                 # the first token is the target's lag: 1, as for all
-            loop.cut_at_stops(batch.lengths[rows] - 1, torch.ones_like(rows))
-            for drafter in self.drafters:
-                drafter.add_rows(batch, prefill=resident)
-        loop.target.append(joiner)
-        batch.active = torch.cat([batch.active, rows])
-        loop.retire_finished()                   # one-token requests, or a first token that stops

@@ -180,7 +180,7 @@ class Simulator:
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
         self.memory = memory
-        self._controls, self._trims = self.policy.length.drafting_hooks()   # called as generate() does
+        self._controls, self._trims = self.policy.length.stops_drafting, self.policy.length.trims_drafts
         if self.policy.offload is not None and memory is None:
             raise ValueError("a policy with offload needs memory=MemoryModel(...): offloading acts on memory")
 
