@@ -25,6 +25,7 @@ from .sampling import TokenSampler
 from .scoring import score_drafters
 from .sequences import SequenceBatch
 from .stats import SpecStats, StepRecord
+from .timing import PhaseClock
 from .verify import target_verify
 
 logger = logging.getLogger(__name__)
@@ -80,12 +81,10 @@ class DecodingLoop:
     steps. The loop owns `batch.active`; rows leave it when they finish (`retire_finished`).
 
     model: the target; freeze_finished: rows stop at their own stop (EOS) rather than waiting for
-    the call's last; streamer: gets completed columns; timed: time every step (serving latencies)
-    even for a policy that does not read times."""
+    the call's last; streamer: gets completed columns."""
 
     def __init__(self, model, batch: SequenceBatch, drafters: list[Drafter], policy: SpecPolicy,
-                 sampler: TokenSampler, stopping_criteria, freeze_finished: bool = True, streamer=None,
-                 timed: bool = False):
+                 sampler: TokenSampler, stopping_criteria, freeze_finished: bool = True, streamer=None):
         self.batch, self.target, self.drafters, self.policy = batch, CachedModel(model), drafters, policy
         self.sampler, self.stopping_criteria = sampler, stopping_criteria
         self.freeze_finished, self.streamer = freeze_finished, streamer
@@ -93,9 +92,7 @@ class DecodingLoop:
         self.limit = torch.full((n,), batch.max_length, dtype=torch.long, device=batch.tokens.device)
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
-        # step phases are timed only for policies that read the times: a sync costs a GPU its queue
-        device = self.target.device
-        self._sync = (lambda: device_sync(device)) if timed or policy.reads_times else (lambda: None)
+        self.clock = PhaseClock(self.target.device, events=policy.reads_times)
         self._controls, self._trims = policy.length.stops_drafting, policy.length.trims_drafts
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
@@ -172,10 +169,10 @@ class DecodingLoop:
         batch.reserve(k + 1, self.longest)
         choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
 
-        t0 = time.perf_counter()
-        drafter_s = {}
+        t0, c0 = time.perf_counter(), self.clock.mark()
+        drafted = {}                                                      # drafter -> (start, end) marks
         if k:
-            proposal = self.propose(choice, k, drafter_s)
+            proposal = self.propose(choice, k, drafted)
             room = self.limit[rows] - start - 1                           # drafts that fit
             draft_lens = torch.minimum(proposal.lengths, room)
             if self._trims:      # a drafter without confidences (n-gram lookup) is certain: 1.0
@@ -192,17 +189,15 @@ class DecodingLoop:
         else:
             draft_tokens = start.new_zeros(len(rows), 0)
             draft_probs, draft_lens, width = None, torch.zeros_like(start), 0
-        self._sync()
 
-        t1 = time.perf_counter()
+        c1 = self.clock.mark()
         verified = target_verify(self.target, batch, start, draft_tokens, draft_lens, draft_probs, self.sampler)
         result, scores = verified.result, verified.scores                 # scores: [n, k+1, vocab]
-        if drafter_s:
+        if drafted:
             chosen = torch.tensor(choice, device=start.device)
-            for d in drafter_s:
+            for d in drafted:
                 self.drafters[d].accepted(torch.where(chosen == d, result.num_accepted, 0))
-        self._sync()
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), self.clock.mark()
 
         # a plain step (no drafts verified) knows its per-row numbers without reading them back
         if width:
@@ -214,9 +209,11 @@ class DecodingLoop:
         emitted, stopped = self.cut_at_stops(rows, start, result.num_accepted + 1, width + 1, self.longest)
         batch.lengths[rows] = start + emitted
         emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
+        seconds = self.clock.seconds
         record = StepRecord(batch_size=len(rows), drafters=choice, k=k, k_chosen=decision.length, proposed=proposed,
-                            accepted=accepted, emitted=emitted, draft_s=t1 - t0, verify_s=t2 - t1, rows=ctx.rows,
-                            drafter_s=drafter_s, step=index, lag=ctx.max_lag)
+                            accepted=accepted, emitted=emitted, draft_s=seconds(c0, c1), verify_s=seconds(c1, c2),
+                            rows=ctx.rows, drafter_s={d: seconds(*marks) for d, marks in drafted.items()},
+                            step=index, lag=ctx.max_lag)
         # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
         keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
         record.overhead_s = time.perf_counter() - begin - (t2 - t0)
@@ -253,18 +250,18 @@ class DecodingLoop:
         batch.active = torch.cat([batch.active, rows])
         self.retire_finished()                    # one-token requests, or a first token that stops
 
-    def propose(self, choice: list[int], k: int, drafter_s: dict) -> Proposal:
+    def propose(self, choice: list[int], k: int, marks: dict) -> Proposal:
         """Each row's drafts from its chosen drafter; a drafter proposes for the whole batch (its
-        cache is one rectangle) and rows that chose another drafter ignore it."""
+        cache is one rectangle) and rows that chose another drafter ignore it. marks: gets each
+        drafter's (start, end) clock marks."""
         proposals = {}
         for d in sorted(set(choice)):
-            t = time.perf_counter()
+            start = self.clock.mark()
             if self._controls:
                 proposals[d] = self.drafters[d].propose(self.batch, k, self.policy.length.continue_drafting)
             else:
                 proposals[d] = self.drafters[d].propose(self.batch, k)
-            self._sync()
-            drafter_s[d] = time.perf_counter() - t
+            marks[d] = start, self.clock.mark()
         if len(proposals) == 1:
             return proposals[choice[0]]
         pick = torch.tensor([sorted(proposals).index(d) for d in choice], device=self.batch.tokens.device)
@@ -386,12 +383,6 @@ class DecodingLoop:
         self.streamed = max(self.streamed, end)
         if final:
             self.streamer.end()
-
-
-def device_sync(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a wall-clock time covers it (CPU: nothing)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _pad_proposal(p: Proposal, width: int) -> Proposal:

@@ -1,5 +1,6 @@
 """enable/disable, policy shortcuts, stats, and the shared verify() on hand-made inputs."""
 import importlib
+import time
 
 import pytest
 import torch
@@ -116,16 +117,35 @@ def test_public_surface_is_what_users_call():
     assert callable(verify)
 
 
-@pytest.mark.parametrize("policy,syncs_per_step", [
-    ("fixed:3", 0), ("hf-heuristic:3", 0), ("confidence", 0), (hf_specdec.HedgeSpec(), 0), ("dsd", 0),
-    ("adaspec", 0), ("nightjar", 2), (hf_specdec.HedgeSpec(cost_aware=True), 2),
+@pytest.mark.parametrize("policy,reads_times", [
+    ("fixed:3", False), ("hf-heuristic:3", False), ("confidence", False), (hf_specdec.HedgeSpec(), False),
+    ("dsd", False), ("adaspec", False), ("nightjar", True), (hf_specdec.HedgeSpec(cost_aware=True), True),
 ])
-def test_device_syncs_only_for_policies_that_read_times(monkeypatch, tmp_path, policy, syncs_per_step):
-    """On a GPU each phase a policy times costs a sync; counted here on CPU by the call."""
-    loop = importlib.import_module("hf_specdec.generate")   # (hf_specdec.generate is the function)
+def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monkeypatch, tmp_path, policy,
+                                                                           reads_times):
+    """On a GPU a timed phase is two CUDA events, read after the step's own host reads of its
+    results: never a device sync, and no events at all for a policy that reads no times. Counted
+    here on CPU with stand-in events, the clock set up as on a GPU."""
+    marks, syncs = [], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = time.perf_counter()
+            marks.append(self)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1000.0
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: syncs.append(args))
+    timing = importlib.import_module("hf_specdec.timing")
+    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device, events: setattr(self, "events", events))
     monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(loop, "device_sync", lambda device: calls.append(device))
     model = build("llama", 2, seed=0)
     ids, mask = prompts(2, seed=3)
     drafters = [hf_specdec.PromptLookupDrafter(), hf_specdec.self_draft(model, "bf16")]
@@ -133,7 +153,9 @@ def test_device_syncs_only_for_policies_that_read_times(monkeypatch, tmp_path, p
         drafters = drafters[1:]
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, custom_generate=hf_specdec.generate,
                          assistant_models=drafters, spec_policy=policy, return_dict_in_generate=True)
-    if syncs_per_step == 0:
-        assert not calls
-    else:                       # after drafting and after verifying, every step (+1 per drafter that drafted)
-        assert len(calls) >= syncs_per_step * len(out.spec_stats.steps) > 0
+    steps = out.spec_stats.steps
+    assert not syncs
+    if reads_times:             # before drafting, after drafting, after verifying (+2 per drafter that drafted)
+        assert len(marks) >= 3 * len(steps) > 0 and all(s.verify_s > 0 for s in steps)
+    else:
+        assert not marks

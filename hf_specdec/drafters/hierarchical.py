@@ -14,7 +14,6 @@ length are nested pairs: `HierarchicalDrafter(HierarchicalDrafter(d0, d1), d2)`,
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from ..policies import FixedLength, LengthPolicy, StepContext
 from ..sequences import SequenceBatch
 from ..stats import StepRecord
+from ..timing import PhaseClock
 from .base import Controller, Drafter, Prediction, Proposal
 from .model import ModelDrafter
 
@@ -77,6 +77,8 @@ class HierarchicalDrafter(Drafter):
         self.stats = LevelStats()
         self._cycle = 0
         self.inner_length.begin(self._context(batch))
+        device = next(self.upper.model.parameters()).device
+        self.clock = PhaseClock(device, events=self.inner_length.reads_times)
 
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         # a cycle writes at most k tokens per row past what the row has produced so far
@@ -124,7 +126,7 @@ class HierarchicalDrafter(Drafter):
         positions from the row's length on, and the accepted counts [n]."""
         rows = batch.active
         length = batch.lengths[rows]
-        t0 = time.perf_counter()
+        c0 = self.clock.mark()
         if kd:
             proposal = self.lower.propose(batch, kd)
             lens = proposal.lengths
@@ -135,21 +137,22 @@ class HierarchicalDrafter(Drafter):
             lens, probs = torch.zeros_like(length), None
             drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=length.device)
         batch.write(rows, length, drafts)
-        t1 = _synced_clock(length)
+        c1 = self.clock.mark()
         verified = self.upper.verify(batch, drafts, lens, probs)
         result = verified.result
         if kd:
             self.lower.accepted(result.num_accepted)
         batch.tokens[rows, length + result.num_accepted] = result.next_tokens
-        t2 = _synced_clock(length)
+        c2 = self.clock.mark()
         self.stats.cycles += 1
         self.stats.proposed += int(lens.sum())
         self.stats.accepted += int(result.num_accepted.sum())
         self.stats.produced += int(result.num_accepted.sum()) + len(rows)
         self.inner_length.observe(StepRecord(batch_size=len(rows), drafters=[0 if kd else -1] * len(rows), k=kd,
                                              proposed=lens.tolist(), accepted=result.num_accepted.tolist(),
-                                             emitted=(result.num_accepted + 1).tolist(), draft_s=t1 - t0,
-                                             verify_s=t2 - t1, rows=rows.tolist()))
+                                             emitted=(result.num_accepted + 1).tolist(),
+                                             draft_s=self.clock.seconds(c0, c1), verify_s=self.clock.seconds(c1, c2),
+                                             rows=rows.tolist()))
         self._cycle += 1
         return verified.logits, verified.scores, result.num_accepted
 
@@ -196,13 +199,6 @@ class HierarchicalDrafter(Drafter):
     def select_rows(self, keep: torch.Tensor) -> None:
         self.lower.select_rows(keep)
         self.upper.select_rows(keep)
-
-
-def _synced_clock(on: torch.Tensor) -> float:
-    """perf_counter once the device of `on` has finished its queued work."""
-    if on.is_cuda:
-        torch.cuda.synchronize(on.device)
-    return time.perf_counter()
 
 
 def chain(models: list, draft_len=4, cycles: int = 2) -> Drafter:

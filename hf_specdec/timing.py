@@ -1,0 +1,33 @@
+"""Phase times of a step, for the policies that read them, without synchronising the device.
+
+On a CUDA device a mark is an event recorded in the stream, and the time between two marks is
+read once the later one has completed: after the step's own host reads (its accepted counts) it
+has, so timing costs no device sync. Elsewhere the host clock is the device's.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class PhaseClock:
+    """device: where the models run; events: record CUDA events (a policy reads the times), else
+    marks are host times, which on an accelerator exclude the work still queued."""
+
+    def __init__(self, device: torch.device, events: bool):
+        self.events = events and device.type == "cuda"
+
+    def mark(self):
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        """Seconds between two marks."""
+        if not self.events:
+            return end - start
+        end.synchronize()                  # complete once the step has read its results
+        return start.elapsed_time(end) / 1000.0
