@@ -113,6 +113,12 @@ def append_rows(cache: DynamicCache, rows: int, other: DynamicCache, other_rows:
         layer.keys, layer.values = keys, values
 
 
+def pad_token_id(generation_config) -> int:
+    """The pad token generate() prepared for this call (its own fallback to EOS included), else 0."""
+    pad = generation_config._pad_token_tensor
+    return int(pad) if pad is not None else 0
+
+
 def execution_device(model: torch.nn.Module) -> torch.device:
     """Where `model` computes: an accelerate hook's `execution_device` if it names one (the
     weights may be elsewhere, e.g. offloaded), else the device of its first parameter."""

@@ -63,9 +63,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     # generate() pads finished rows only when an EOS criterion exists; otherwise rows that a
     # criterion stopped keep producing real tokens until every row has stopped.
     freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    pad = generation_config._pad_token_tensor
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
-                          pad_token_id=int(pad) if pad is not None else 0)
+                          pad_token_id=_compat.pad_token_id(generation_config))
     ensure_profile(policy, model, drafters, input_ids.shape[0])
     loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
     stats = loop.run()
