@@ -160,11 +160,7 @@ class DecodingLoop:
         batch, rows = self.batch, self.batch.active
         start = batch.lengths[rows]                                       # [n] (indexing copies)
         ctx = self.context(index, start)
-        decision = self.policy.choose(ctx)
-        k = max(0, min(decision.length, ctx.remaining - 1))               # no draft past the longest room
-        offload = self.policy.offload
-        if offload is not None and not offload.step(ctx, k):             # drafts not on the device
-            k = 0
+        decision, k = self.policy.plan(ctx)
         batch.reserve(k + 1, self.longest)
         choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
 
@@ -216,6 +212,7 @@ class DecodingLoop:
         # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
         keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
         record.overhead_s = time.perf_counter() - begin - (t2 - t0)
+        offload = self.policy.offload
         resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
         if len(batch.active) and resident and self.policy.wants_feedback(index):
             if keep is not None:

@@ -46,6 +46,16 @@ class SpecPolicy:
     def choose(self, ctx: StepContext) -> Decision:
         return Decision(drafter=self.selector.choose(ctx), length=self.length.choose(ctx))
 
+    def plan(self, ctx: StepContext) -> tuple[Decision, int]:
+        """What every executor of a step (the loop, the simulator) runs: the decision, and the k to
+        run: no draft past the longest row's room (ctx.remaining, if known), none while the drafts
+        are off the device."""
+        decision = self.choose(ctx)
+        k = max(0, min(decision.length, ctx.remaining - 1) if ctx.remaining else decision.length)
+        if self.offload is not None and not self.offload.step(ctx, k):
+            k = 0
+        return decision, k
+
     def wants_feedback(self, step: int) -> bool:
         return self.selector.wants_feedback(step)
 

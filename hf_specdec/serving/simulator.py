@@ -246,16 +246,13 @@ class Simulator:
             room = max(r.request.output_len - r.produced - 1 for r in running)
             lag = max(r.lag for r in running)
             ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag, room + 1)
-            chosen = self.policy.choose(ctx).length
-            k = max(0, min(chosen, room))
-            if offload is not None:
-                resident.now = t
-                if not offload.step(ctx, k):                # drafts not on the device
-                    k = 0
-                if resident.dropped:                        # its cache went with it
-                    resident.dropped = False
-                    for r in running:
-                        r.lag = r.request.prompt_len + r.produced
+            if resident is not None:
+                resident.now = t                            # what the offload manager's clock reads
+            decision, k = self.policy.plan(ctx)             # the loop's own decision and clamp
+            if resident is not None and resident.dropped:   # offloaded: its cache went with it
+                resident.dropped = False
+                for r in running:
+                    r.lag = r.request.prompt_len + r.produced
             if k:
                 drafted = self._drafted(k, rows)
                 draft_s = draft.forward_time(context, sum(r.lag for r in running), wide=lag > 1) + sum(
@@ -276,7 +273,7 @@ class Simulator:
             for r, a, e in zip(running, accepted, emitted):
                 r.produced += e
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
-            self.policy.observe(StepRecord(batch_size=rows, drafters=[0 if k else -1] * rows, k=k, k_chosen=chosen,
+            self.policy.observe(StepRecord(batch_size=rows, drafters=[0 if k else -1] * rows, k=k, k_chosen=decision.length,
                                            proposed=proposed, accepted=accepted, emitted=emitted, draft_s=draft_s,
                                            verify_s=verify_s, rows=ctx.rows))
             result.steps.append(RunStep(t, rows, k, sum(emitted)))
