@@ -196,7 +196,7 @@ class DecodingLoop:
 
         # a plain step (no drafts verified) knows its per-row numbers without reading them back
         if width:
-            proposed, accepted = draft_lens.tolist(), result.num_accepted.tolist()
+            proposed, accepted = torch.stack([draft_lens, result.num_accepted]).tolist()   # one host read
             batch.tokens[rows, start + result.num_accepted] = result.next_tokens
         else:
             proposed = accepted = [0] * len(rows)
