@@ -1,10 +1,11 @@
 """The decoding loop: a `custom_generate` callable for Transformers' `generate()` (batch >= 1).
 
-One step, for the rows still decoding:
-  policy chooses (drafter, k) -> drafter proposes (tokens, q) -> one target forward over each
-  row's pending token + drafts -> `verify` -> every row appends its own accepted tokens + 1 ->
-  target and drafter caches roll back per row -> stopping criteria cut rows where plain
-  `generate()` would -> policy observes the outcome.
+One step (`DecodingLoop.step`), for the rows still decoding:
+  the policy plans (drafter, k) (`SpecPolicy.plan`) -> the drafter proposes (tokens, q) ->
+  `verify.target_verify`: one target forward over each row's pending token + drafts, the shared
+  `verify`, the target's cache rolled back per row -> every row appends its own accepted tokens + 1
+  -> the drafter rolls back its own cache (`Drafter.accepted`) -> stopping criteria cut rows where
+  plain `generate()` would -> the policy observes the `StepRecord`.
 """
 from __future__ import annotations
 
