@@ -55,7 +55,7 @@ from report import stamp
 
 logger = logging.getLogger("bench_lengths")
 FIXED = range(0, 9)    # fixed:0: plain decoding in our loop
-LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar")   # policies whose state improves with use
+LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar", "nightjar-exact")   # policies whose state improves with use
 # plain-again: plain generate() timed a second time, a control whose ratio to plain is the noise floor
 METHODS = ["plain", "plain-again", *(f"fixed:{k}" for k in FIXED), "hf-heuristic", "hf-confidence", *LEARNING[1:]]
 
@@ -122,7 +122,9 @@ def policies(prof: CostProfile, max_len: int) -> dict:
     out.update({f"fixed:{k}": hf_specdec.FixedLength(k) for k in FIXED})
     out.update({"hf-heuristic": hf_specdec.HFHeuristic(), "hf-confidence": hf_specdec.ConfidenceThreshold(),
                 "dsd": hf_specdec.DSDGoodput(prof, max_len=max_len), "adaspec": hf_specdec.AdaSpec(prof, max_len=max_len),
-                "nightjar": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof)})
+                "nightjar": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof),
+                # the paper's one bandit per batch size, against the default's one per power of two
+                "nightjar-exact": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, buckets="exact")})
     return out
 
 

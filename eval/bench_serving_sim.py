@@ -19,8 +19,8 @@ activations holds the KV caches and the draft; each request reserves prompt + ou
 
 Workloads: Poisson arrivals at each `--rates` value, and a phased stream (low / high / low);
 prompts and outputs drawn from ShareGPT-like ranges. Policies: plain (k = 0), fixed k = 1..5
-(k = 3 is Nightjar's "SD" baseline), DSDGoodput, AdaSpec and Nightjar, each a fresh object per
-run. Then plain, Nightjar and AdaSpec again with the memory model, without and with
+(k = 3 is Nightjar's "SD" baseline), DSDGoodput, AdaSpec and Nightjar (also with the paper's one
+bandit per batch size, `nightjar-exact`), each a fresh object per run. Then plain, Nightjar and AdaSpec again with the memory model, without and with
 `DraftOffload` (fixed k > 0 never switches speculation off, so it never offloads). Reports output tokens/s, mean and p90 latency, mean TPOT and SLO attainment; writes
 <out>.json, <out>.md and <out>.png (rate, batch size and k over time on the phased stream).
 """
@@ -59,7 +59,10 @@ def policies(prof: CostProfile, max_len: int) -> dict:
     out.update({f"fixed:{k}": (lambda k=k: hf_specdec.FixedLength(k)) for k in range(1, 6)})
     out.update({"dsd": lambda: hf_specdec.DSDGoodput(prof, max_len=max_len),
                 "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=max_len),
-                "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0)})
+                "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0),
+                # the paper's one bandit per batch size, against the default's one per power of two
+                "nightjar-exact": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, buckets="exact",
+                                                              seed=0)})
     return out
 
 
