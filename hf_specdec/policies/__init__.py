@@ -84,8 +84,8 @@ NAMES = ("auto", *_LENGTHS, *_SELECTORS)
 def auto_policy(num_drafters: int = 1, full_information: bool = True) -> SpecPolicy:
     """What `spec_policy="auto"` (the default) runs: Nightjar's draft length, learned per batch
     size with 0 (no speculation) among the arms, so it neither loses much where drafting does not
-    pay nor needs a profile: on the real pair it tied fixed k=5 at batch 1, matched or beat it at 2 to 8
-    and lost 3% to plain at 16 (docs/results/bench_generate). Among several drafters HedgeSpec
+    pay nor needs a profile: on the real pair it tied fixed k=5 at batch 1, beat it at 2 to 8 and
+    tied plain at 16 (docs/results/bench_generate). Among several drafters HedgeSpec
     chooses when each can be scored on the verified tokens (full_information), else the first drafts."""
     selector = HedgeSpec() if num_drafters > 1 and full_information else None
     return SpecPolicy(selector=selector, length=Nightjar())
