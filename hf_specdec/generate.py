@@ -147,8 +147,8 @@ class DecodingLoop:
         lengths = batch.lengths[rows] if lengths is None else lengths
         # one host sync for every number (a plain step on a small model is ~10 ms: this runs each step)
         numbers = [(lengths - batch.real_start(rows)).sum(), lengths.max()]
-        lags = (d.lag(batch, lengths) for d in self.drafters)
-        numbers += [lag.max() for lag in lags if lag is not None]
+        drafter_lags = (d.lag(batch, lengths) for d in self.drafters)
+        numbers += [lag.max() for lag in drafter_lags if lag is not None]
         numbers = torch.cat([self.limit[rows] - lengths, torch.stack(numbers)]).tolist()
         rooms, (context_tokens, self.longest, *lags) = sorted(numbers[:len(rows)]), numbers[len(rows):]
         self.least_room = rooms[0] - 1                  # drafts that fit in every row

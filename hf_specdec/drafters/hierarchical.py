@@ -46,6 +46,8 @@ class HierarchicalDrafter(Drafter):
     or a LengthPolicy (chooses per cycle, observes each cycle); cycles: inner cycles per target
     step at most (fewer once every row has k tokens)."""
 
+    scorable = True          # it proposes from the intermediate's distribution, which `replay` scores
+
     def __init__(self, draft, intermediate, draft_len=4, cycles: int = 2, name: str | None = None):
         from . import as_drafter   # (defined in the package that imports this module)
         self.lower = as_drafter(draft, where="HierarchicalDrafter(draft)")
@@ -144,13 +146,13 @@ class HierarchicalDrafter(Drafter):
             self.lower.accepted(result.num_accepted)
         batch.tokens[rows, length + result.num_accepted] = result.next_tokens
         c2 = self.clock.mark()
+        proposed, accepted = torch.stack([lens, result.num_accepted]).tolist()    # one host read
         self.stats.cycles += 1
-        self.stats.proposed += int(lens.sum())
-        self.stats.accepted += int(result.num_accepted.sum())
-        self.stats.produced += int(result.num_accepted.sum()) + len(rows)
+        self.stats.proposed += sum(proposed)
+        self.stats.accepted += sum(accepted)
+        self.stats.produced += sum(accepted) + len(rows)
         self.inner_length.observe(StepRecord(batch_size=len(rows), drafters=[0 if kd else -1] * len(rows), k=kd,
-                                             proposed=lens.tolist(), accepted=result.num_accepted.tolist(),
-                                             emitted=(result.num_accepted + 1).tolist(),
+                                             proposed=proposed, accepted=accepted, emitted=[a + 1 for a in accepted],
                                              draft_s=self.clock.seconds(c0, c1), verify_s=self.clock.seconds(c1, c2),
                                              rows=rows.tolist()))
         self._cycle += 1
@@ -171,8 +173,6 @@ class HierarchicalDrafter(Drafter):
         self.discard_after(self._start + num_accepted)
         # logits after each accepted token are still right; the next one too, if it was produced
         self.upper.remember(self._logits, self._start, torch.minimum(num_accepted + 1, self._produced))
-
-    scorable = True
 
     def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
         lags = [lag for lag in (self.lower.lag(batch, lengths), self.upper.lag(batch, lengths)) if lag is not None]
