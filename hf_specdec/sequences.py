@@ -13,6 +13,7 @@ import torch
 
 class SequenceBatch:
     GROWTH = 64  # the buffer grows in steps of this many positions, as rows get longer
+    is_view = False
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
                  max_length: int, pad_token_id: int):
@@ -37,6 +38,7 @@ class SequenceBatch:
         [batch]: what part of a step acts on (a hierarchy's inner chain, rows joining a running
         batch), leaving this batch's own unchanged. Short-lived: it must not `reserve`."""
         out = copy.copy(self)
+        out.is_view = True
         if active is not None:
             out.active = active
         if lengths is not None:
@@ -67,6 +69,8 @@ class SequenceBatch:
         longest: the longest row's length, if known."""
         short = (int(self.lengths.max()) if longest is None else longest) + width - self.capacity
         if short > 0:
+            if self.is_view:    # a new buffer would stay with the view: the batch would miss its writes
+                raise RuntimeError("SequenceBatch.reserve on a view: reserve on the batch it views first")
             self.tokens = torch.nn.functional.pad(self.tokens, (0, short + self.GROWTH), value=self.pad_token_id)
 
     def clear_scratch(self, rows: torch.Tensor) -> None:

@@ -155,3 +155,19 @@ def test_requests_longer_than_the_first_buffer_get_all_their_tokens(models):
     alone = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=100, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, 3:].tolist()
     assert result.outputs[0] == alone
+
+
+def test_a_view_shares_the_buffer_and_cannot_grow_it():
+    """A view (other active rows / lengths) writes through to the batch's tokens; growing the buffer
+    from a view would leave the batch without those writes, so it is refused."""
+    ids = torch.tensor([[5, 6, 7], [4, 5, 6]])
+    batch = SequenceBatch(ids, torch.ones_like(ids), max_length=200, pad_token_id=0)
+    view = batch.view(active=torch.tensor([1]), lengths=batch.lengths + 2)
+    view.write(view.active, view.lengths[view.active], torch.tensor([[9]]))
+    assert batch.tokens[1, 5] == 9 and batch.lengths.tolist() == [3, 3] and batch.active.tolist() == [0, 1]
+    view.reserve(4)                                             # fits: nothing to grow
+    with pytest.raises(RuntimeError, match="reserve on a view"):
+        view.reserve(batch.capacity)
+    before = batch.capacity
+    batch.reserve(before)                                       # the batch itself grows
+    assert batch.capacity >= 3 + before and view.tokens is not batch.tokens
