@@ -36,7 +36,7 @@ class SequenceBatch:
     def view(self, active: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> "SequenceBatch":
         """The same buffer (token writes go through) with other active rows [m] and/or row lengths
         [batch]: what part of a step acts on (a hierarchy's inner chain, rows joining a running
-        batch), leaving this batch's own unchanged. Short-lived: it must not `reserve`."""
+        batch), leaving this batch's own unchanged. Short-lived: it cannot grow the buffer (`reserve`)."""
         out = copy.copy(self)
         out.is_view = True
         if active is not None:
