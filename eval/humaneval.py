@@ -195,6 +195,12 @@ def bootstrap_diff(per_problem_a, per_problem_b, resamples=2000, seed=0):
     return diffs[int(0.025 * resamples)], diffs[int(0.975 * resamples) - 1]
 
 
+def detectable_drop(lo: float, hi: float, power_z: float = 0.8416) -> float:
+    """The smallest true drop that a 95% interval [lo, hi] of this width would put below 0 with
+    80% power: (1.96 + 0.84) standard errors, the standard error read off the width."""
+    return (hi - lo) / (2 * 1.96) * (1.96 + power_z)
+
+
 def summarize(args, methods, problems, done):
     """pass@k, speed and the verdict against plain of each method, over the problems every method
     has finished (all of them, unless the run was cut short)."""
@@ -243,8 +249,8 @@ def summarize(args, methods, problems, done):
             lo, hi = bootstrap_diff(per_problem[m.name][k], per_problem[plain.name][k])
             row[f"pass@{k}_diff_ci95"] = [round(lo, 4), round(hi, 4)]
             row[f"pass@{k}_significant_drop"] = hi < 0
-            # a true drop of about half the interval's width would have pushed it below 0
-            row[f"pass@{k}_detectable_drop"] = round((hi - lo) / 2, 4)
+            row[f"pass@{k}_ruled_out_drop"] = round(max(0.0, -lo), 4)     # larger drops lie outside the interval
+            row[f"pass@{k}_detectable_drop"] = round(detectable_drop(lo, hi), 4)
     return summary
 
 
@@ -265,7 +271,8 @@ def markdown(summary, args):
     cols = [f"pass@{k}" for k in args.k]
     greedy = args.temperature == 0
     head = ["method", *cols, "tokens/s", "x plain", "MAT", "accept",
-            "identical / near-tie / other" if greedy else "difference to plain, 95% CI (smallest detectable drop)"]
+            "identical / near-tie / other" if greedy else
+            "difference to plain, 95% CI (drop ruled out above; drop detectable with 80% power)"]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 2) + "---|"]
     fmt = lambda v, spec="{:.2f}": "-" if v is None else spec.format(v)  # noqa: E731
     for name, r in summary["methods"].items():
@@ -274,7 +281,8 @@ def markdown(summary, args):
                 + (f" ({r['identity']['unchecked']} unchecked)" if "unchecked" in r["identity"] else "")
         else:
             verdict = "; ".join(f"{c} [{r[c + '_diff_ci95'][0]:+.3f}, {r[c + '_diff_ci95'][1]:+.3f}] "
-                                f"({r[c + '_detectable_drop']:.3f})" + (" DROP" if r[c + "_significant_drop"] else "")
+                                f"({r[c + '_ruled_out_drop']:.3f}; {r[c + '_detectable_drop']:.3f})"
+                                + (" DROP" if r[c + "_significant_drop"] else "")
                                 for c in cols if c + "_diff_ci95" in r) or "-"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" for c in cols)
                      + f" | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'))} | {fmt(r['mean_accepted_tokens'])}"
@@ -287,8 +295,9 @@ def markdown(summary, args):
                                if r.get("pass@1_changed_rows")) or "none") + "."]
     else:
         lines += ["", "Difference to plain: 95% bootstrap interval over problems of (method - plain); DROP when it "
-                  "lies below 0. Smallest detectable drop: half the interval's width, the drop this sample size "
-                  "could have told from none."]
+                  "lies below 0. Ruled out: a drop larger than the interval's lower end is excluded at 95%. "
+                  "Detectable: the smallest true drop this sample size would flag as DROP with 80% power "
+                  "(2.8 standard errors, read off the interval's width)."]
     return "\n".join(lines) + "\n"
 
 

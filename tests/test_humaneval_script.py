@@ -137,3 +137,21 @@ def test_kill_9_loses_no_finished_sample(tmp_path):
     assert len(after) == 24 and len(complete()) == 24     # nothing lost, nothing twice
     for r in before:
         assert after[(r["method"], r["task_id"], r["sample"])]["completion"] == r["completion"]
+
+
+def test_detectable_drop_is_flagged_with_80_percent_power():
+    """Paired per-problem pass rates whose true difference is the reported detectable drop: the
+    bootstrap interval lies below 0 (DROP) in about 80% of runs; with no true difference, rarely."""
+    import random
+    rng, problems = random.Random(0), 40
+    noise = lambda: [rng.gauss(0, 0.3) for _ in range(problems)]  # noqa: E731
+    lo, hi = humaneval.bootstrap_diff(noise(), [0.0] * problems, resamples=400)
+    drop = humaneval.detectable_drop(lo, hi)
+    flagged = {0.0: 0, drop: 0}
+    for true_drop in flagged:
+        for trial in range(150):
+            lo, hi = humaneval.bootstrap_diff([x - true_drop for x in noise()], [0.0] * problems,
+                                              resamples=400, seed=trial)
+            flagged[true_drop] += hi < 0
+    assert flagged[0.0] / 150 < 0.07
+    assert 0.65 < flagged[drop] / 150 < 0.92
