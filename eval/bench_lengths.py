@@ -40,6 +40,7 @@ import logging
 import random
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -192,9 +193,13 @@ def run_env(name, args, save=lambda results: None, done: dict | None = None) -> 
     changing = [("changing", args.changing_rows)] if args.changing_rows else []
     # profiled at every batch size timed, and at the powers of two the changing run shrinks through
     shrinking = {b for _, rows in changing for b in (rows, *(2 ** i for i in range(rows.bit_length())))}
-    prof = env_profile(model, drafter, sorted({*args.batch_sizes, *shrinking}), make_inputs(1)["input_ids"].shape[1])
+    # a resumed run keeps the profile it measured, so every batch size's policies weigh the same one
+    if done and "switch" in done.get("profile", {}):
+        prof = CostProfile.from_dict(done["profile"])
+    else:
+        prof = env_profile(model, drafter, sorted({*args.batch_sizes, *shrinking}), make_inputs(1)["input_ids"].shape[1])
     methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
-    results = {"profile": {"target": vars(prof.target), "draft": vars(prof.draft)}, "batches": {}, **(done or {})}
+    results = {"batches": {}, **(done or {}), "profile": asdict(prof)}
     for batch, rows in [(b, b) for b in args.batch_sizes] + changing:
         if str(batch) in results["batches"]:
             continue

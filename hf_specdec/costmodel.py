@@ -122,11 +122,16 @@ class CostProfile:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read cost profile {path}: {e}") from e
+        return cls.from_dict(data, where=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "dict") -> "CostProfile":
+        """The inverse of `dataclasses.asdict(profile)`; ValueError naming what is missing."""
         try:
             return cls(LatencyModel(**data["target"]), LatencyModel(**data["draft"]),
                        SwitchCostTable(**data["switch"]), data.get("meta", {}))
         except (KeyError, TypeError) as e:
-            raise ValueError(f"cost profile {path} is malformed ({e!r}); expected keys target, draft "
+            raise ValueError(f"cost profile {where} is malformed ({e!r}); expected keys target, draft "
                              "(alpha, gamma, delta) and switch (lags, batch_sizes, seconds)") from e
 
 

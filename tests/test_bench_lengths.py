@@ -61,7 +61,9 @@ def test_resume_keeps_finished_batch_sizes(tmp_path):
     args = ["--envs", "tiny-useless", "--changing-rows", "0", "--max-new-tokens", "4", "--repeats", "1",
             "--confirm-repeats", "0", "--learn-runs", "0", "--methods", "fixed:1", "--out", str(out)]
     bench_lengths.main([*args, "--batch-sizes", "1"])
-    first = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]["1"]
+    first = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]
     bench_lengths.main([*args, "--batch-sizes", "1,2", "--resume"])
-    batches = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]["batches"]
-    assert set(batches) == {"1", "2"} and batches["1"] == first     # B=1 kept as measured, B=2 run
+    resumed = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]
+    batches = resumed["batches"]
+    assert set(batches) == {"1", "2"} and batches["1"] == first["batches"]["1"]     # B=1 kept as measured, B=2 run
+    assert resumed["profile"] == first["profile"] and "switch" in first["profile"]  # measured once, reused
