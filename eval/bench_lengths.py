@@ -200,6 +200,7 @@ def run_env(name, args, save=lambda results: None, done: dict | None = None) -> 
         prof = env_profile(model, drafter, sorted({*args.batch_sizes, *shrinking}), make_inputs(1)["input_ids"].shape[1])
     methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
     results = {"batches": {}, **(done or {}), "profile": asdict(prof)}
+    save(results)                 # the profile alone takes minutes on a CPU: a resumed run reuses it
     for batch, rows in [(b, b) for b in args.batch_sizes] + changing:
         if str(batch) in results["batches"]:
             continue
@@ -284,6 +285,8 @@ def markdown(all_results: dict, args) -> str:
     lines = [f"# Draft-length policies: greedy, {args.max_new_tokens} new tokens, median of {args.repeats} runs{changing}", ""]
     for env, res in all_results.items():
         batches = list(res["batches"])
+        if not batches:              # profiled, nothing timed yet
+            continue
         methods = list(res["batches"][batches[0]]["methods"])
         lines += [f"## {env}: tokens/s (x oracle = best of plain and fixed k: by medians / by fastest runs)", "",
                   "| method | " + " | ".join(f"B={b}" for b in batches) + " |",

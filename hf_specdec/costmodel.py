@@ -135,10 +135,13 @@ class CostProfile:
                              "(alpha, gamma, delta) and switch (lags, batch_sizes, seconds)") from e
 
 
-def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int) -> list[float]:
+def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int,
+                   all_logits: bool = True) -> list[float]:
     """Median seconds of one forward feeding w tokens per row after `context` cached ones, for
     each w in `widths` (one prefill, cropped back after every timed forward; context 0: each
-    forward is itself a prefill into an empty cache)."""
+    forward is itself a prefill into an empty cache). all_logits: the forward computes logits at
+    all w positions (a verification), else at the last only (a catch-up or prefill: the output
+    head over a 150k vocabulary is a large share of a small model's forward)."""
     import statistics
     import time
 
@@ -146,15 +149,19 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
 
     from . import _compat
     cache = _compat.new_cache(model)
+    last_only = _compat.accepts_logits_to_keep(model)
+
+    def keep(width: int) -> dict:
+        return {"logits_to_keep": width if all_logits else 1} if last_only else {}
     out = []
     with torch.no_grad():
         if context:
-            model(input_ids=ids[:, :context], use_cache=True, **_compat.cache_kwargs(model, cache))
+            model(input_ids=ids[:, :context], use_cache=True, **keep(1), **_compat.cache_kwargs(model, cache))
         for width in widths:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                model(input_ids=ids[:, context: context + width], use_cache=True,
+                model(input_ids=ids[:, context: context + width], use_cache=True, **keep(width),
                       **_compat.cache_kwargs(model, cache))
                 if ids.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -184,7 +191,8 @@ def profile(target, draft, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), widths
         ids = torch.randint(3, vocab, (b, longest), generator=torch.Generator().manual_seed(b * 1000 + c)).to(device)
         for name, model in (("target", target), ("draft", draft)) if draft is not None else (("target", target),):
             measure = list(widths) + (list(lags) if name == "draft" and c == min(contexts) else [])
-            seconds = _time_forwards(model, ids, c, measure, repeats)
+            # the target verifies (logits at every fed token); the draft drafts or catches up (the last)
+            seconds = _time_forwards(model, ids, c, measure, repeats, all_logits=name == "target")
             samples[name] += [(b * c, b * w, t, w > 1) for w, t in zip(widths, seconds)]
             switch.update({(lag, b): t for lag, t in zip(lags, seconds[len(widths):])})
     table = SwitchCostTable(sorted(lags), sorted(batch_sizes),
@@ -240,5 +248,5 @@ def profile_prefill(model, lengths: Sequence[int] = (16, 64, 128, 256), repeats:
     import torch
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (1, max(lengths)), generator=torch.Generator().manual_seed(0))
-    seconds = _time_forwards(model, ids.to(next(model.parameters()).device), 0, lengths, repeats)
+    seconds = _time_forwards(model, ids.to(next(model.parameters()).device), 0, lengths, repeats, all_logits=False)
     return LatencyModel.fit([(length, length, t) for length, t in zip(lengths, seconds)])
