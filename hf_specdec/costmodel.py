@@ -214,6 +214,11 @@ def model_key(model) -> str:
     return f"{type(model).__name__}|{param.dtype}|{param.device}|{digest}"
 
 
+# part of the cache key: a profile measured by an earlier profiler is measured again
+# (2: draft catch-ups and prefills compute the last token's logits only, as the loop does)
+PROFILER_VERSION = 2
+
+
 def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None = None) -> CostProfile:
     """The profile of `target` with `draft` (None: a drafter without a model) at batch sizes 1, 2,
     4, ... up to `batch_size`'s power of two: read from `cache_dir` (default
@@ -224,7 +229,8 @@ def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None 
 
     from .embedded import cache_dir as default_cache
     sizes = [1 << i for i in range((max(batch_size, 1) - 1).bit_length() + 1)]
-    key = "\n".join([model_key(target), "none" if draft is None else model_key(draft), str(sizes)])
+    key = "\n".join([model_key(target), "none" if draft is None else model_key(draft), str(sizes),
+                     f"profiler {PROFILER_VERSION}"])
     path = Path(cache_dir or default_cache() / "profiles") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     try:
         return CostProfile.load(path)
