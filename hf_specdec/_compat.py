@@ -69,6 +69,11 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
     return cache
 
 
+def repeat_rows(cache: DynamicCache, times: int) -> None:
+    """Every row's slots `times` times over, copies next to each other."""
+    cache.batch_repeat_interleave(times)
+
+
 def crop(cache: DynamicCache, num_slots: int) -> None:
     """Drop the last `num_slots` slots of every row."""
     if num_slots > 0:

@@ -155,8 +155,10 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
         return {"logits_to_keep": width if all_logits else 1} if last_only else {}
     out = []
     with torch.no_grad():
-        if context:
-            model(input_ids=ids[:, :context], use_cache=True, **keep(1), **_compat.cache_kwargs(model, cache))
+        if context:          # a forward's time depends on how many slots it attends to, not on their content:
+            # one row's prefill, copied to every row (a CPU prefills a batch of long rows slowly)
+            model(input_ids=ids[:1, :context], use_cache=True, **keep(1), **_compat.cache_kwargs(model, cache))
+            _compat.repeat_rows(cache, ids.shape[0])
         for width in widths:
             times = []
             for _ in range(repeats):

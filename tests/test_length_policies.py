@@ -392,13 +392,14 @@ def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeyp
                    progress=False)
     assert prof.target.forward_time(8, 2) > 0 and prof.switch(3, 2) > 0
     # logits are computed where the loop needs them: at every verified token of the target, at the
-    # last fed token of a draft catch-up or a prefill (the output head is costly at a large vocabulary)
-    positions = {"target": [], "draft": []}
+    # last fed token of a draft catch-up or a prefill (the output head is costly at a large vocabulary);
+    # the context is prefilled in one row and copied to the others ([rows, positions] per forward)
+    shapes = {"target": [], "draft": []}
     for name, model in (("target", target), ("draft", draft)):
         model.get_output_embeddings().register_forward_hook(
-            lambda module, args, out, name=name: positions[name].append(out.shape[1]))
-    profile(target, draft, batch_sizes=(1,), widths=(1, 2, 3), contexts=(4,), lags=(3,), repeats=1, progress=False)
-    assert positions["target"] == [1, 1, 2, 3] and positions["draft"] == [1] * 5
+            lambda module, args, out, name=name: shapes[name].append(tuple(out.shape[:2])))
+    profile(target, draft, batch_sizes=(2,), widths=(1, 2, 3), contexts=(4,), lags=(3,), repeats=1, progress=False)
+    assert shapes["target"] == [(1, 1), (2, 1), (2, 2), (2, 3)] and shapes["draft"] == [(1, 1)] + [(2, 1)] * 4
     prefill = profile_prefill(build("llama", 2, seed=0, hidden=256), lengths=(8, 64, 256), repeats=2)
     assert prefill.forward_time(256, 256) > prefill.forward_time(8, 8) > 0
     main = __import__("hf_specdec.__main__", fromlist=["main"])
