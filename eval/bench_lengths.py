@@ -419,7 +419,14 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     all_results, run_stamp = {}, stamp()     # the code as it was when the run started
     if args.resume and out.with_suffix(".json").exists():
-        all_results = json.loads(out.with_suffix(".json").read_text())["results"]
+        stored = json.loads(out.with_suffix(".json").read_text())
+        # batch sizes timed on another kind of CPU, and a profile measured there, do not mix with these
+        other = {key: value for key, value in stored["stamp"]["machine"].items()
+                 if key in ("cpu", "cpu_matmul", "cores") and run_stamp["machine"].get(key) != value}
+        if other:
+            parser.error(f"--resume: {out}.json was measured on another machine ({other}; this one: "
+                         f"{ {key: run_stamp['machine'].get(key) for key in other} }); give a new --out")
+        all_results = stored["results"]
 
     def save(env, results):      # after every batch size, so a stopped run keeps what it measured
         all_results[env] = results

@@ -44,7 +44,7 @@ from eval.humaneval_data import (load_pass_at_k_metric, load_problems, prompt_te
                                   truncate_completion)
 from eval.identity import VERDICTS, compare_rows, until_eos  # noqa: E402
 from eval.methods import MethodFactory, parse_methods, parse_pool  # noqa: E402
-from eval.report import stamp, stamp_line  # noqa: E402
+from eval.report import machine_line, stamp, stamp_line  # noqa: E402
 from eval.sandbox import run_checks  # noqa: E402
 from hf_specdec.embedded import MODELS, load_model  # noqa: E402
 
@@ -260,6 +260,9 @@ def markdown(summary, args):
     resumed = sorted({r["commit"] for r in runs[1:]} - {runs[0]["commit"]})
     resumes = "" if len(runs) == 1 else f" (resumed {len(runs) - 1} times" + \
         (f", at commits {', '.join(resumed)})" if resumed else ")")
+    machines = sorted({machine_line(r) for r in runs})
+    if len(machines) > 1:   # every problem's methods still ran back to back on one machine: ratios hold
+        resumes += f"; its parts ran on different machines: {'; '.join(machines)}"
     lines = [f"_{stamp_line(runs[0])}_{resumes}", "",
              f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
              ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")

@@ -27,6 +27,20 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_matmul() -> str:
+    """The CPU's widest vector ISA as torch dispatches to it (e.g. AVX2, AVX512) and whether it
+    multiplies bf16 matrices in hardware: without it a bf16 forward over many tokens (a
+    verification, a prefill) is several times slower, which moves every speed ratio here."""
+    import torch
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+    return f"{torch.backends.cpu.get_cpu_capability()}, {'bf16 matmul' if bf16 else 'no bf16 matmul'}"
+
+
 def _commit() -> str:
     here = Path(__file__).resolve().parent
     try:
@@ -50,16 +64,22 @@ def stamp() -> dict:
             versions[name] = None
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"commit": _commit(), "versions": versions, "python": platform.python_version(),
-            "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "device": device},
+            "machine": {"cpu": _cpu_model(), "cpu_matmul": _cpu_matmul(), "cores": os.cpu_count(),
+                        "torch_threads": torch.get_num_threads(), "device": device},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def stamp_line(s: dict) -> str:
     v = s["versions"]
     return (f"commit {s['commit']}, {s['date']}; torch {v['torch']}, transformers {v['transformers']}; "
-            f"{s['machine']['cpu']}, {s['machine']['cores']} cores, {s['machine']['torch_threads']} torch threads, "
+            f"{machine_line(s)}, {s['machine']['torch_threads']} torch threads, "
             f"device {s['machine']['device']}")
+
+
+def machine_line(s: dict) -> str:
+    """The stamp's machine in words (stamps written before `cpu_matmul` existed lack it)."""
+    m = s["machine"]
+    return f"{m['cpu']}" + (f" ({m['cpu_matmul']})" if "cpu_matmul" in m else "") + f", {m['cores']} cores"
 
 
 def write_results(directory: Path, name: str, payload: dict, table: str,

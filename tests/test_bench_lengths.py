@@ -3,6 +3,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "eval"))     # bench_lengths imports its eval/ neighbours by name
 import bench_lengths  # noqa: E402
@@ -67,3 +69,12 @@ def test_resume_keeps_finished_batch_sizes(tmp_path):
     batches = resumed["batches"]
     assert set(batches) == {"1", "2"} and batches["1"] == first["batches"]["1"]     # B=1 kept as measured, B=2 run
     assert resumed["profile"] == first["profile"] and "switch" in first["profile"]  # measured once, reused
+
+
+def test_resume_refuses_a_run_from_another_machine(tmp_path, capsys):
+    out = tmp_path / "bench"
+    out.with_suffix(".json").write_text(json.dumps({"stamp": {"machine": {"cpu": "elsewhere", "cores": 2}},
+                                                    "results": {}}))
+    with pytest.raises(SystemExit):
+        bench_lengths.main(["--envs", "tiny-useless", "--out", str(out), "--resume"])
+    assert "another machine" in capsys.readouterr().err
