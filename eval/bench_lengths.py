@@ -409,8 +409,8 @@ def main(argv=None):
     parser.add_argument("--out", default="results/bench_lengths")
     parser.add_argument("--methods", default=None, help="comma-separated subset (default: all; plain is always run)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep the batch sizes already in <out>.json and run the others (learning "
-                             "policies start afresh)")
+                        help="keep the profile and the batch sizes already in <out>.json and run the others "
+                             "(learning policies start afresh); refused for a run from another kind of machine")
     args = parse_env_args(parser, argv, ENVS)
     args.methods = ["plain"] + [m for m in (args.methods or ",".join(METHODS)).split(",") if m != "plain"]
     if any(m not in METHODS for m in args.methods):
