@@ -14,7 +14,8 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-PACKAGES = ("hf-specdec", "torch", "transformers", "accelerate", "tokenizers", "gguf", "numpy")
+# kernels: with it Transformers keeps GGUF weights packed and multiplies them with its own kernels
+PACKAGES = ("hf-specdec", "torch", "transformers", "accelerate", "tokenizers", "gguf", "kernels", "numpy")
 
 
 def _cpu_model() -> str:
