@@ -23,10 +23,9 @@ ROWS = (1, 2, 3, 5, 8, 16, 64, 256)
 IN_FEATURES, OUT_FEATURES = 1536, 8960
 
 
-def time_linear(rows: int, dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """Median seconds of one linear() over `rows` rows, repeated for about `seconds`."""
-    weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=torch.Generator().manual_seed(0)).to(dtype)
-    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(1)).to(dtype)
+def time_linear(weight: torch.Tensor, rows: int, seconds: float = 0.5) -> float:
+    """Median seconds of one linear() of `weight` [out, in] over `rows` rows, repeated for about `seconds`."""
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(weight.dtype)
     torch.nn.functional.linear(x, weight)                       # warm-up
     times = []
     while sum(times) < seconds or len(times) < 3:
@@ -43,9 +42,10 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     rows_out = []
     for dtype in (torch.float32, torch.bfloat16):
-        one = time_linear(1, dtype)
+        weight = torch.randn(OUT_FEATURES, IN_FEATURES, generator=torch.Generator().manual_seed(0)).to(dtype)
+        one = time_linear(weight, 1)
         for m in ROWS:
-            t = one if m == 1 else time_linear(m, dtype)
+            t = one if m == 1 else time_linear(weight, m)
             rows_out.append({"dtype": str(dtype).removeprefix("torch."), "rows": m, "ms": round(t * 1e3, 3),
                              "gflops": round(2 * m * IN_FEATURES * OUT_FEATURES / t / 1e9, 1),
                              "x_one_row": round(t / one, 2)})

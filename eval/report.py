@@ -18,14 +18,17 @@ from typing import Callable
 PACKAGES = ("hf-specdec", "torch", "transformers", "accelerate", "tokenizers", "gguf", "kernels", "numpy")
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line of /proc/cpuinfo (None where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith(field)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_matmul() -> str:
@@ -33,11 +36,7 @@ def _cpu_matmul() -> str:
     multiplies bf16 matrices in hardware: without it a bf16 forward over many tokens (a
     verification, a prefill) is several times slower, which moves every speed ratio here."""
     import torch
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = (_cpuinfo("flags") or "").split()
     bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
     return f"{torch.backends.cpu.get_cpu_capability()}, {'bf16 matmul' if bf16 else 'no bf16 matmul'}"
 

@@ -149,10 +149,10 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
 
     from . import _compat
     cache = _compat.new_cache(model)
-    last_only = _compat.accepts_logits_to_keep(model)
+    can_keep = _compat.accepts_logits_to_keep(model)
 
     def keep(width: int) -> dict:
-        return {"logits_to_keep": width if all_logits else 1} if last_only else {}
+        return {"logits_to_keep": width if all_logits else 1} if can_keep else {}
     out = []
     with torch.no_grad():
         if context:          # a forward's time depends on how many slots it attends to, not on their content:
