@@ -40,13 +40,14 @@ from transformers import StopStringCriteria, StoppingCriteriaList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `eval` as a package from anywhere
 import hf_specdec  # noqa: E402
+from hf_specdec.drafters.self_draft import KINDS as SELF_DRAFT_KINDS  # noqa: E402
 from eval.humaneval_data import (load_pass_at_k_metric, load_problems, prompt_text, stop_sequences,  # noqa: E402
                                   truncate_completion)
 from eval.identity import VERDICTS, compare_rows, until_eos  # noqa: E402
 from eval.methods import MethodFactory, parse_methods, parse_pool  # noqa: E402
 from eval.report import machine_line, stamp, stamp_line  # noqa: E402
 from eval.sandbox import run_checks  # noqa: E402
-from hf_specdec.embedded import MODELS, load_model  # noqa: E402
+from hf_specdec.embedded import MODELS, load_model, use_onednn_linears  # noqa: E402
 
 logger = logging.getLogger("humaneval")
 def load_models(args):
@@ -70,7 +71,9 @@ def load_models(args):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     draft = None
-    if args.draft:
+    if args.draft in SELF_DRAFT_KINDS:
+        draft = hf_specdec.self_draft(target, args.draft).model
+    elif args.draft:
         draft = load_model(args.draft, dtype=args.dtype and getattr(torch, args.dtype))[0] if args.draft in MODELS else \
             AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval()
     return hf_specdec.enable(target), tokenizer, draft
@@ -153,6 +156,11 @@ def run(args, methods, problems, out_dir: Path):
     runs_path.write_text(json.dumps(runs + [{**stamp(), "batches_to_do": len(todo)}], indent=1))
     model, tokenizer, draft = load_models(args)
     factory = MethodFactory(model, draft_model=draft, pool=args.pool)
+    if args.onednn:    # after every copy of the target is made: swapped layers are not nn.Linear
+        for method in methods:
+            factory.generate_kwargs(method)
+        swapped = sum(use_onednn_linears(m) for m in {id(m): m for m in (model, draft) if m is not None}.values())
+        logging.info("%d float32 linear layers run through oneDNN", swapped)
     criteria = StopStringCriteria(tokenizer, stop_sequences(args.prompt_style, generation=True))
     with samples_path.open("a") as sink:
         if samples_path.stat().st_size and not samples_path.read_bytes().endswith(b"\n"):
@@ -266,7 +274,9 @@ def markdown(summary, args):
     lines = [f"_{stamp_line(runs[0])}_{resumes}", "",
              f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
              ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
-             + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}", "",
+             + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}"
+             + (f", draft: the target's {args.draft} copy" if args.draft in SELF_DRAFT_KINDS else "")
+             + (f", {args.dtype}" if args.dtype else "") + (", oneDNN linear layers" if args.onednn else ""), "",
              f"{finished} of {requested} problems finished by every method"
              + ("." if finished == requested else " (the run has not finished: what follows covers those only)."), ""]
     if not finished:
@@ -346,7 +356,11 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="of the embedded models (default: theirs; Qwen: bfloat16)")
     parser.add_argument("--draft", default=None,
-                        help="an embedded name or a model id/path: the `draft` drafter (and the hierarchy's middle)")
+                        help="an embedded name, a model id/path, or int8/bf16/fp16 (a copy of the target): the "
+                             "`draft` drafter (and the hierarchy's middle)")
+    parser.add_argument("--onednn", action="store_true",
+                        help="run the float32 linear layers through oneDNN (hf_specdec.embedded.use_onednn_linears): "
+                             "on CPUs where MKL multiplies a few rows at matrix-vector speed")
     parser.add_argument("--pool", default=None,
                         help="drafters of @pool, comma-separated (default: draft,pld with --draft, else int8,pld)")
     parser.add_argument("--prompt-style", choices=("raw", "chat"), default="raw",
@@ -375,6 +389,9 @@ def main(argv=None):
     uses_draft = [m.name for m in methods if m.drafter == "draft" or (m.drafter == "pool" and "draft" in args.pool)]
     if uses_draft and not args.draft:
         parser.error(f"method {uses_draft[0]} needs --draft <embedded name, model id or path>")
+    dtype = args.dtype or (MODELS[args.target].default_dtype if args.target in MODELS else "float32")
+    if args.onednn and dtype != "float32":
+        parser.error(f"--onednn swaps float32 linear layers; the models here are {dtype}: add --dtype float32")
     selection = [int(p) if p.isdigit() else p for p in args.problems.split(",")] if args.problems else None
     problems = load_problems(limit=args.limit, problems=selection, path=args.data)
 

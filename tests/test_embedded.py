@@ -47,3 +47,19 @@ def test_smollm2_sampling_runs_and_is_seeded(setup):
                            assistant_models=[hf_specdec.PromptLookupDrafter()], spec_policy="fixed:4",
                            spec_generator=torch.Generator().manual_seed(3)) for _ in range(2)]
     assert_same(runs[0], runs[1])
+
+
+def test_onednn_linears_compute_what_the_linear_layers_did():
+    import torch
+    from hf_specdec.embedded import use_onednn_linears
+    from hf_specdec.testing import build
+    model = build("llama", layers=2, vocab=64, hidden=32, init=0.02).eval()
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+        assert use_onednn_linears(model) == linears > 0
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
+    bf16 = build("llama", layers=2, vocab=64, hidden=32, init=0.02).to(torch.bfloat16)
+    assert use_onednn_linears(bf16) == 0     # float32 layers only

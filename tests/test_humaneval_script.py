@@ -60,7 +60,21 @@ def test_draft_by_embedded_name(tmp_path):
     assert summary["methods"]["fixed:2@draft"]["identity"]["identical"] == 1
 
 
+def test_target_copy_as_draft_with_onednn_layers(tmp_path):
+    """--draft int8: the target's int8 copy drafts, the hierarchy's middle included; --onednn swaps
+    the float32 target's linear layers after the copies are made, and outputs stay plain's."""
+    summary = humaneval.main(["--target", "tiny-random", "--limit", "1", "--n", "1", "--k", "1",
+                              "--temperature", "0", "--max-new-tokens", "10", "--out", str(tmp_path),
+                              "--methods", "plain,fixed:3@draft,hedgespec:2@pool,fixed:4@hier", "--draft", "int8",
+                              "--onednn"])
+    for name in ("fixed:3@draft", "hedgespec:2@pool", "fixed:4@hier"):
+        assert summary["methods"][name]["identity"]["other"] == 0, name
+        assert summary["methods"][name]["mean_accepted_tokens"] > 1, name   # an int8 copy of the target agrees often
+    assert "draft: the target's int8 copy" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--methods", "plain", "--onednn", "--dtype", "bfloat16"], "--onednn swaps float32 linear layers"),
     (["--methods", "plain,spec-turbo"], "unknown method 'spec-turbo'"),
     (["--methods", "plain", "--k", "1,5"], "--k must lie in 1..n=2"),
     (["--methods", "plain", "--data", "/nonexistent/HumanEval.jsonl.gz"], "nonexistent"),
