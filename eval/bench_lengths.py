@@ -52,7 +52,7 @@ from hf_specdec.costmodel import CostProfile, profile
 from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
 from identity import compare_rows, counts, until_eos
-from report import stamp
+from report import stamp, stamp_line
 
 logger = logging.getLogger("bench_lengths")
 FIXED = range(0, 9)    # fixed:0: plain decoding in our loop
@@ -417,7 +417,8 @@ def main(argv=None):
         parser.error(f"--methods: unknown {[m for m in args.methods if m not in METHODS]}; known: {METHODS}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    all_results, run_stamp = {}, stamp()     # the code as it was when the run started
+    run_stamp = stamp()
+    all_results, runs = {}, [run_stamp]   # the code and machine of every start: a resumed run may span commits
     if args.resume and out.with_suffix(".json").exists():
         stored = json.loads(out.with_suffix(".json").read_text())
         # batch sizes timed on another kind of CPU, and a profile measured there, do not mix with these
@@ -426,13 +427,14 @@ def main(argv=None):
         if other:
             parser.error(f"--resume: {out}.json was measured on another machine ({other}; this one: "
                          f"{ {key: run_stamp['machine'].get(key) for key in other} }); give a new --out")
-        all_results = stored["results"]
+        all_results, runs = stored["results"], stored.get("runs", [stored["stamp"]]) + runs
 
     def save(env, results):      # after every batch size, so a stopped run keeps what it measured
         all_results[env] = results
-        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "stamp": run_stamp, "results": all_results},
-                                                       indent=1))
-        out.with_suffix(".md").write_text(markdown(all_results, args))
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "stamp": runs[0], "runs": runs,
+                                                        "results": all_results}, indent=1))
+        resumed = f" (resumed at commits {', '.join(r['commit'] for r in runs[1:])})" if len(runs) > 1 else ""
+        out.with_suffix(".md").write_text(f"_{stamp_line(runs[0])}_{resumed}\n\n" + markdown(all_results, args))
 
     for env in args.envs.split(","):
         run_env(env, args, lambda results: save(env, results), all_results.get(env))

@@ -69,6 +69,10 @@ def test_resume_keeps_finished_batch_sizes(tmp_path):
     batches = resumed["batches"]
     assert set(batches) == {"1", "2"} and batches["1"] == first["batches"]["1"]     # B=1 kept as measured, B=2 run
     assert resumed["profile"] == first["profile"] and "switch" in first["profile"]  # measured once, reused
+    stored = json.loads(out.with_suffix(".json").read_text())
+    assert len(stored["runs"]) == 2 and stored["stamp"] == stored["runs"][0]     # the first start's stamp kept
+    assert out.with_suffix(".md").read_text().startswith("_commit ") and "resumed at commits" in \
+        out.with_suffix(".md").read_text()
 
 
 def test_resume_refuses_a_run_from_another_machine(tmp_path, capsys):

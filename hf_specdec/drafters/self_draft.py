@@ -13,8 +13,8 @@ KINDS = ("bf16", "fp16", "int8")
 
 def self_draft(model: torch.nn.Module, kind: str = "bf16") -> ModelDrafter:
     """A `ModelDrafter` over a copy of `model`: "bf16"/"fp16" cast, or "int8" dynamic quantisation
-    of every `nn.Linear` (CPU only; of a GGUF checkpoint, whose layers stay packed, that is only
-    the output head, and the packed layers compute in float32). The target is left untouched."""
+    of every `nn.Linear` (CPU only, computed in float32 around int8 weights). The target is left
+    untouched."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind == "int8" and not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
