@@ -50,9 +50,10 @@ class EmbeddedModel:
 
 MODELS = {
     "smollm2-135m-instruct": EmbeddedModel(hub_id="HuggingFaceTB/SmolLM2-135M-Instruct", default_dtype="float32"),
-    # bf16: the 1.5B decodes 3.4-3.9 tokens/s at batch 1 on a 2-core CPU against 1.6-1.7 in float32
-    # (transformers 5.24). Its GGUF loader advises float32, which holds for packed weights; without
-    # the `kernels` package it unpacks them at load, and then bf16 matmuls are the faster ones.
+    # bf16: the 1.5B decodes 3.4-3.9 tokens/s at batch 1 on a 2-core CPU with bf16 matrix
+    # instructions against 1.6-1.7 in float32 (transformers 5.24; without the `kernels` package the
+    # GGUF weights are unpacked at load). On a CPU without them bf16 products of several rows are
+    # slow: there float32 with `use_onednn_linears` is the faster (eval/cpu_matmul.py).
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
         hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", default_dtype="bfloat16",
         chunked=ChunkedGGUF(file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
