@@ -21,7 +21,6 @@ Writes docs/results/bench_generate/<name>.{json,md,png}, stamped with commit, ve
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time

@@ -1,4 +1,4 @@
-"""Draft-length policies side by side across batch sizes: plain, fixed k = 0..6, Transformers'
+"""Draft-length policies side by side across batch sizes: plain, fixed k = 0..8, Transformers'
 heuristic and confidence schedules, DSD goodput, AdaSpec and Nightjar.
 
     python eval/bench_lengths.py --envs tiny-exact,tiny-useless,smollm2-bf16 --batch-sizes 1,2,4,8,16 \
@@ -20,7 +20,7 @@ tokens to --max-new-tokens (--changing-spread: evenly, geometrically, or bimodal
 among short ones), so the batch shrinks as rows finish. fixed:0 decodes plain in our
 loop, which drops finished rows from the batch (Transformers' plain generate() keeps computing
 them until the last row is done): the control for what speculation itself adds there.
-The oracle (the best of plain and fixed k by median tokens/s) is the largest of eight noisy
+The oracle (the best of plain and fixed k by median tokens/s) is the largest of ten noisy
 numbers, so measured in the same runs that chose it, it is inflated by the luckiest one (winner's
 curse: with ~10% run-to-run noise and near-tied k, ~10%), and every method looks worse than it is
 against it. So a second, confirming round (--confirm-repeats) times plain, the chosen oracle and

@@ -21,6 +21,7 @@ from .generate import generate as spec_generate
 
 _SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator")
 _ATTR = "_hf_specdec_original_generate"
+_LOOP_ATTR = "_hf_specdec_loop"       # which loop enable() routed generate() to
 LOOPS = ("hf_specdec", "transformers")
 
 
@@ -35,10 +36,10 @@ def enable(model, loop: str = "hf_specdec"):
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if hasattr(model, _ATTR):
-        if getattr(model, "_hf_specdec_loop", "hf_specdec") != loop:
+        if getattr(model, _LOOP_ATTR, "hf_specdec") != loop:
             raise ValueError(f"{type(model).__name__} is enabled with another loop; disable(model) first")
         return model
-    model._hf_specdec_loop = loop
+    setattr(model, _LOOP_ATTR, loop)
     # an instance-level generate (e.g. from a custom_generate repo) is kept and restored by disable
     setattr(model, _ATTR, model.__dict__.get("generate"))
     original = model.generate
@@ -59,7 +60,7 @@ def call(model, original, args: tuple, kwargs: dict):
         kwargs, after = assisted.translate(model, kwargs)
     if not any(kwargs.get(name) is not None for name in _SPEC_KWARGS):
         return original(*args, **kwargs)
-    if getattr(model, "_hf_specdec_loop", "hf_specdec") == "transformers":
+    if getattr(model, _LOOP_ATTR, "hf_specdec") == "transformers":
         out = transformers_loop.generate(model, original, args, kwargs)
     else:
         out = original(*args, **_batched_loop_kwargs(model, args, kwargs))
@@ -96,7 +97,7 @@ def disable(model):
         return model
     previous = getattr(model, _ATTR)
     delattr(model, _ATTR)
-    del model._hf_specdec_loop
+    delattr(model, _LOOP_ATTR)
     if previous is None:
         del model.generate
     else:

@@ -9,7 +9,6 @@ One step (`DecodingLoop.step`), for the rows still decoding:
 """
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 
@@ -29,7 +28,6 @@ from .stats import SpecStats, StepRecord
 from .timing import PhaseClock
 from .verify import target_verify
 
-logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else

@@ -1,5 +1,4 @@
 """Sampling: the emitted tokens follow the target's distribution; seeded runs reproduce."""
-import itertools
 
 import pytest
 import torch

@@ -79,8 +79,7 @@ class HierarchicalDrafter(Drafter):
         self.stats = LevelStats()
         self._cycle = 0
         self.inner_length.begin(self._context(batch))
-        device = next(self.upper.model.parameters()).device
-        self.clock = PhaseClock(device, events=self.inner_length.reads_times)
+        self.clock = PhaseClock(self.upper.runner.device, events=self.inner_length.reads_times)
 
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         # a cycle writes at most k tokens per row past what the row has produced so far
