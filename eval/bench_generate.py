@@ -6,6 +6,8 @@
 Environments:
   qwen-coder  Qwen2.5-Coder-1.5B-Instruct (target) with the 0.5B as drafter, bf16, on HumanEval
               problems in the chat prompt (the real pair; fetched once, see hf_specdec.embedded);
+  qwen-coder-onednn  the same in float32 with oneDNN linear layers (for CPUs without bf16 matrix
+              instructions: hf_specdec.embedded.use_onednn_linears);
   smollm2     the embedded SmolLM2-135M-Instruct (fp32) on HumanEval prompts, drafters derived
               from it offline: bf16 copy, int8 copy, prompt lookup;
   tiny-exact  an 8-layer Llama whose layers 2.. are zeroed and a 1-layer draft computing exactly
@@ -45,10 +47,10 @@ def chunks(prompts: list, batch: int) -> list[list]:
     return [c for c in out if len(c) == batch] or out[:1]
 
 
-def qwen_coder_env(args):
+def qwen_coder_env(args, onednn=False):
     from hf_specdec.embedded import load_model
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
     texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=args.problems)]
 
     def inputs(batch):
@@ -80,7 +82,7 @@ def tiny_exact_env(args):
     return target, {"exact-1layer": hf_specdec.ModelDrafter(draft, name="exact-1layer")}, inputs
 
 
-ENVS = {"qwen-coder": qwen_coder_env, "smollm2": smollm2_env, "tiny-exact": tiny_exact_env}
+ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True), "smollm2": smollm2_env, "tiny-exact": tiny_exact_env}
 ADAPTIVE = {"nightjar": lambda args: hf_specdec.Nightjar(max_len=max(args.k, 6)),
             "adaspec": lambda args: hf_specdec.AdaSpec(max_len=max(args.k, 8))}
 

@@ -11,6 +11,8 @@ Environments (greedy; every output is checked against plain generate()):
   smollm2-<bf16|int8|pld>  the embedded SmolLM2-135M-Instruct on HumanEval prompts with that drafter
   qwen-coder      the real pair: Qwen2.5-Coder-1.5B-Instruct with the 0.5B as drafter (bf16), on
                   HumanEval problems in the chat prompt
+  qwen-coder-onednn  the same in float32 with oneDNN linear layers (for CPUs without bf16 matrix
+                  instructions: hf_specdec.embedded.use_onednn_linears)
 Each environment is profiled first (`hf_specdec.costmodel.profile`, the `python -m hf_specdec
 profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy objects live for the
 whole environment, so Nightjar learns per batch size across runs, as a server would; before the
@@ -96,16 +98,16 @@ def smollm2_env(kind: str):
     return model, drafter, _SMOLLM2["inputs"]
 
 
-def qwen_coder_env():
+def qwen_coder_env(onednn=False):
     from hf_specdec.embedded import load_model
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
     texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=64)]
     return model, hf_specdec.ModelDrafter(draft, name="qwen-0.5b"), \
         lambda b: dict(tokenizer(texts[:b], return_tensors="pt", padding=True, add_special_tokens=False))
 
 
-ENVS = {"qwen-coder": qwen_coder_env, "tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
+ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda: qwen_coder_env(onednn=True), "tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
         "tiny-useless": lambda: tiny_env("useless"),
         "smollm2-bf16": lambda: smollm2_env("bf16"), "smollm2-int8": lambda: smollm2_env("int8"),
         "smollm2-pld": lambda: smollm2_env("pld")}

@@ -7,7 +7,8 @@ bf16 target, or other, which fails the run).
     python eval/drafter_selection.py --env qwen-coder --questions question.jsonl --per-domain 1 \
         --max-new-tokens 48 --out docs/results/drafter_selection/qwen-coder
 
---env qwen-coder: the real pair's target, Qwen2.5-Coder-1.5B-Instruct (bf16), on Spec-Bench's
+--env qwen-coder: the real pair's target, Qwen2.5-Coder-1.5B-Instruct (bf16; qwen-coder-onednn: float32
+with oneDNN linear layers, for CPUs without bf16 matrix instructions), on Spec-Bench's
 questions (--questions: its question.jsonl, eval/spec_bench.py says where to get it; --per-domain of
 each of its 13 categories), with the pool (N = 4):
   qwen-0.5b       Qwen2.5-Coder-0.5B-Instruct (bf16)
@@ -150,19 +151,19 @@ def smollm2_env(args) -> Env:
                pools={n: POOLS[n] for n in pools}, main=5)
 
 
-def qwen_coder_env(args) -> Env:
+def qwen_coder_env(args, onednn=False) -> Env:
     from spec_bench import load_questions
     from hf_specdec.embedded import load_model
     prompts = load_questions(args.questions, args.per_domain)   # checked before the slow loading
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
     drafters = {"qwen-0.5b": hf_specdec.ModelDrafter(draft, name="qwen-0.5b"),
                 "pld": hf_specdec.PromptLookupDrafter(),
                 "code-ds": hf_specdec.DatastoreDrafter.from_files(stdlib_sources(), tokenizer,
                                                                    max_tokens=args.max_datastore_tokens, name="code-ds"),
                 "prose-ds": prose_datastore(tokenizer)}
     log_datastores(drafters)
-    return Env(title="Qwen2.5-Coder-1.5B-Instruct bf16, Spec-Bench questions", model=model, tokenizer=tokenizer,
+    return Env(title=f"Qwen2.5-Coder-1.5B-Instruct {'float32 on oneDNN' if onednn else 'bf16'}, Spec-Bench questions", model=model, tokenizer=tokenizer,
                prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
 
 
@@ -376,7 +377,8 @@ def cost_markdown(case: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-ENVS = {"qwen-coder": qwen_coder_env, "smollm2": smollm2_env}
+ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True),
+        "smollm2": smollm2_env}
 
 
 def main(argv=None) -> dict:
@@ -404,8 +406,8 @@ def main(argv=None) -> dict:
         Path(f"{out}-cost.md").write_text(cost_markdown(case))
         print(cost_markdown(case))
         return case
-    if args.env == "qwen-coder" and args.questions is None:
-        parser.error(f"--env qwen-coder needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
+    if args.env.startswith("qwen-coder") and args.questions is None:
+        parser.error(f"--env {args.env} needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
 
     env = ENVS[args.env](args)
     methods = methods_for(env.pools, env.main, ablations=args.env == "smollm2")

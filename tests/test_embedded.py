@@ -63,3 +63,13 @@ def test_onednn_linears_compute_what_the_linear_layers_did():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
     bf16 = build("llama", layers=2, vocab=64, hidden=32, init=0.02).to(torch.bfloat16)
     assert use_onednn_linears(bf16) == 0     # float32 layers only
+
+
+def test_load_model_onednn_is_float32_and_refuses_another_dtype():
+    import torch
+    from hf_specdec.embedded import load_model
+    with pytest.raises(ValueError, match="onednn=True runs float32 layers"):
+        load_model("smollm2-135m-instruct", dtype=torch.bfloat16, onednn=True)
+    model, _ = load_model("smollm2-135m-instruct", source="pypi", onednn=True)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert next(model.parameters()).dtype == torch.float32
