@@ -86,6 +86,50 @@ def test_distribution_matches_target_with_per_row_drafters(setup):
     assert set(out.spec_stats.steps[0].drafters) == {0, 1}     # both kinds of q in one verify call
 
 
+def hierarchy_empirical(target, draft, lower, prompt, seed):
+    """Two-token frequencies through lower -> draft (intermediate) -> target, with the hierarchy's
+    level stats. Three new tokens, so that the target verifies 2 drafts of which the lower drafted
+    one (the last new token is not counted)."""
+    low = noisy_copy(draft, 0.1, seed=5) if lower == "model" else hf_specdec.PromptLookupDrafter(max_ngram=1)
+    hierarchy = hf_specdec.HierarchicalDrafter(low, draft, draft_len=2, cycles=1)
+    out = spec(target, [hierarchy], "fixed:2", input_ids=prompt.repeat(N, 1), max_new_tokens=3, eos_token_id=None,
+               spec_generator=torch.Generator().manual_seed(seed), **SAMPLING)
+    new = out[:, prompt.shape[1]:]
+    counts = torch.zeros(VOCAB, VOCAB)
+    counts.index_put_((new[:, 0], new[:, 1]), torch.ones(N), accumulate=True)
+    return counts / N, hierarchy.stats
+
+
+@pytest.mark.parametrize("lower", ["model", "lookup"])
+def test_distribution_matches_target_through_a_hierarchy(setup, lower):
+    """The intermediate's speculative sampling makes its tokens follow its own q; the target must
+    then test them against that whole q (not the residual they may have come from)."""
+    target, draft, prompt, exact = setup
+    freq, stats = hierarchy_empirical(target, draft, lower, prompt, seed=1)
+    tv = 0.5 * (freq - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
+    if lower == "model":     # both of the intermediate's paths ran: accept, and reject-and-resample
+        assert 0.05 < stats.accepted / stats.proposed < 0.95, stats
+
+
+def test_negative_control_broken_intermediate_is_caught(setup, monkeypatch):
+    """An intermediate that accepts every lower draft passes on tokens that do not follow its q."""
+    target, draft, prompt, exact = setup
+    inner = {"on": False}
+    monkeypatch.setattr(verify_module, "verify", lambda *a, **k: (broken_verify if inner["on"] else verify)(*a, **k))
+    intermediate_verify = hf_specdec.ModelDrafter.verify     # a drafter verifies only as an intermediate
+
+    def broken_intermediate_verify(self, *args):
+        inner["on"] = True
+        try:
+            return intermediate_verify(self, *args)
+        finally:
+            inner["on"] = False
+    monkeypatch.setattr(hf_specdec.ModelDrafter, "verify", broken_intermediate_verify)
+    tv = 0.5 * (hierarchy_empirical(target, draft, "model", prompt, seed=1)[0] - exact).abs().sum()
+    assert tv > 3 * TV_BOUND, f"a broken intermediate went unnoticed (TV {tv:.4f})"
+
+
 @pytest.mark.parametrize("broken", [broken_verify, residual_from_p_verify])
 def test_negative_control_broken_sampler_is_caught(setup, monkeypatch, broken):
     target, draft, prompt, exact = setup
