@@ -13,23 +13,24 @@ verify_module = importlib.import_module("hf_specdec.verify")
 
 VOCAB = 6
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5, repetition_penalty=1.3)
+TOP_P = dict(do_sample=True, temperature=1.5, top_p=0.8)    # nucleus sampling, as HumanEval's runs use
 
 
-def exact_two_token_distribution(target, prompt):
+def exact_two_token_distribution(target, prompt, sampling=SAMPLING):
     """p(t1, t2 | prompt) under generate()'s own processing (scores of a 1-token generate)."""
     first = target.generate(input_ids=prompt, max_new_tokens=1, output_scores=True,
-                            return_dict_in_generate=True, **SAMPLING).scores[0].softmax(-1)[0]
+                            return_dict_in_generate=True, **sampling).scores[0].softmax(-1)[0]
     prefixes = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], 1)
     second = target.generate(input_ids=prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=1, output_scores=True,
-                             return_dict_in_generate=True, **SAMPLING).scores[0].softmax(-1)
+                             return_dict_in_generate=True, **sampling).scores[0].softmax(-1)
     return first[:, None] * second                                  # [t1, t2]
 
 
-def empirical(target, drafter, prompt, n, seed, policy="fixed:1"):
+def empirical(target, drafter, prompt, n, seed, policy="fixed:1", sampling=SAMPLING):
     gen = torch.Generator().manual_seed(seed)
     drafters = drafter if isinstance(drafter, list) else [drafter]
     out = spec(target, drafters, policy, input_ids=prompt.repeat(n, 1), max_new_tokens=2,
-               spec_generator=gen, eos_token_id=None, **SAMPLING)
+               spec_generator=gen, eos_token_id=None, **sampling)
     new = out[:, prompt.shape[1]:]
     counts = torch.zeros(VOCAB, VOCAB)
     counts.index_put_((new[:, 0], new[:, 1]), torch.ones(n), accumulate=True)
@@ -71,6 +72,13 @@ def test_distribution_matches_target(setup, drafter):
     target, draft, prompt, exact = setup
     d = draft if drafter == "model" else hf_specdec.PromptLookupDrafter(max_ngram=1)
     tv = 0.5 * (empirical(target, d, prompt, N, seed=1) - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
+
+
+def test_distribution_matches_target_with_top_p(setup):
+    target, draft, prompt, _ = setup
+    exact = exact_two_token_distribution(target, prompt, TOP_P)
+    tv = 0.5 * (empirical(target, draft, prompt, N, seed=1, sampling=TOP_P) - exact).abs().sum()
     assert tv < TV_BOUND, f"TV {tv:.4f}"
 
 
