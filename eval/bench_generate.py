@@ -82,7 +82,8 @@ def tiny_exact_env(args):
     return target, {"exact-1layer": hf_specdec.ModelDrafter(draft, name="exact-1layer")}, inputs
 
 
-ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True), "smollm2": smollm2_env, "tiny-exact": tiny_exact_env}
+ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True),
+        "smollm2": smollm2_env, "tiny-exact": tiny_exact_env}
 ADAPTIVE = {"nightjar": lambda args: hf_specdec.Nightjar(max_len=max(args.k, 6)),
             "adaspec": lambda args: hf_specdec.AdaSpec(max_len=max(args.k, 8))}
 

@@ -107,7 +107,8 @@ def qwen_coder_env(onednn=False):
         lambda b: dict(tokenizer(texts[:b], return_tensors="pt", padding=True, add_special_tokens=False))
 
 
-ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda: qwen_coder_env(onednn=True), "tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
+ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda: qwen_coder_env(onednn=True),
+        "tiny-exact": lambda: tiny_env("exact"), "tiny-partial": lambda: tiny_env("partial"),
         "tiny-useless": lambda: tiny_env("useless"),
         "smollm2-bf16": lambda: smollm2_env("bf16"), "smollm2-int8": lambda: smollm2_env("int8"),
         "smollm2-pld": lambda: smollm2_env("pld")}

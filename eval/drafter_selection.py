@@ -163,7 +163,8 @@ def qwen_coder_env(args, onednn=False) -> Env:
                                                                    max_tokens=args.max_datastore_tokens, name="code-ds"),
                 "prose-ds": prose_datastore(tokenizer)}
     log_datastores(drafters)
-    return Env(title=f"Qwen2.5-Coder-1.5B-Instruct {'float32 on oneDNN' if onednn else 'bf16'}, Spec-Bench questions", model=model, tokenizer=tokenizer,
+    kernels = "float32 on oneDNN" if onednn else "bf16"
+    return Env(title=f"Qwen2.5-Coder-1.5B-Instruct {kernels}, Spec-Bench questions", model=model, tokenizer=tokenizer,
                prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
 
 

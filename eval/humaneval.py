@@ -159,8 +159,8 @@ def run(args, methods, problems, out_dir: Path):
     if args.onednn:    # after every copy of the target is made: swapped layers are not nn.Linear
         for method in methods:
             factory.generate_kwargs(method)
-        swapped = sum(use_onednn_linears(m) for m in {id(m): m for m in (model, draft) if m is not None}.values())
-        logging.info("%d float32 linear layers run through oneDNN", swapped)
+        swapped = sum(use_onednn_linears(m) for m in (model, draft) if m is not None)
+        logger.info("%d float32 linear layers run through oneDNN", swapped)
     criteria = StopStringCriteria(tokenizer, stop_sequences(args.prompt_style, generation=True))
     with samples_path.open("a") as sink:
         if samples_path.stat().st_size and not samples_path.read_bytes().endswith(b"\n"):

@@ -50,7 +50,6 @@ def test_smollm2_sampling_runs_and_is_seeded(setup):
 
 
 def test_onednn_linears_compute_what_the_linear_layers_did():
-    import torch
     from hf_specdec.embedded import use_onednn_linears
     from hf_specdec.testing import build
     model = build("llama", layers=2, vocab=64, hidden=32, init=0.02).eval()
@@ -66,7 +65,6 @@ def test_onednn_linears_compute_what_the_linear_layers_did():
 
 
 def test_load_model_onednn_is_float32_and_refuses_another_dtype():
-    import torch
     from hf_specdec.embedded import load_model
     with pytest.raises(ValueError, match="onednn=True runs float32 layers"):
         load_model("smollm2-135m-instruct", dtype=torch.bfloat16, onednn=True)
