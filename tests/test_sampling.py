@@ -75,6 +75,13 @@ def test_distribution_matches_target(setup, drafter):
     assert tv < TV_BOUND, f"TV {tv:.4f}"
 
 
+def test_distribution_matches_target_under_nightjar(setup):
+    """Nightjar picks k per step (0 included) from what earlier steps measured."""
+    target, draft, prompt, exact = setup
+    tv = 0.5 * (empirical(target, draft, prompt, N, seed=2, policy=hf_specdec.Nightjar(max_len=3)) - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
+
+
 def test_distribution_matches_target_with_top_p(setup):
     target, draft, prompt, _ = setup
     exact = exact_two_token_distribution(target, prompt, TOP_P)
