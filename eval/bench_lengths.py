@@ -54,7 +54,7 @@ from hf_specdec.costmodel import CostProfile, profile
 from hf_specdec.testing import build, layer_skip_pair
 from humaneval_data import load_problems, prompt_text  # eval/ is on sys.path when run as a script
 from identity import compare_rows, counts, until_eos
-from report import stamp, stamp_line
+from report import machine_line, stamp, stamp_line
 
 logger = logging.getLogger("bench_lengths")
 FIXED = range(0, 9)    # fixed:0: plain decoding in our loop
@@ -425,11 +425,9 @@ def main(argv=None):
     if args.resume and out.with_suffix(".json").exists():
         stored = json.loads(out.with_suffix(".json").read_text())
         # batch sizes timed on another kind of CPU, and a profile measured there, do not mix with these
-        other = {key: value for key, value in stored["stamp"]["machine"].items()
-                 if key in ("cpu", "cpu_matmul", "cores") and run_stamp["machine"].get(key) != value}
-        if other:
-            parser.error(f"--resume: {out}.json was measured on another machine ({other}; this one: "
-                         f"{ {key: run_stamp['machine'].get(key) for key in other} }); give a new --out")
+        if machine_line(stored["stamp"]) != machine_line(run_stamp):
+            parser.error(f"--resume: {out}.json was measured on another machine ({machine_line(stored['stamp'])}; "
+                         f"this one: {machine_line(run_stamp)}); give a new --out")
         all_results, runs = stored["results"], stored.get("runs", [stored["stamp"]]) + runs
 
     def save(env, results):      # after every batch size, so a stopped run keeps what it measured

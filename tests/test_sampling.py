@@ -26,10 +26,11 @@ def exact_two_token_distribution(target, prompt, sampling=SAMPLING):
     return first[:, None] * second                                  # [t1, t2]
 
 
-def empirical(target, drafter, prompt, n, seed, policy="fixed:1", sampling=SAMPLING):
+def empirical(target, drafter, prompt, n, seed, policy="fixed:1", sampling=SAMPLING, max_new_tokens=2):
+    """Frequencies of the first two new tokens [t1, t2] over n seeded rows."""
     gen = torch.Generator().manual_seed(seed)
     drafters = drafter if isinstance(drafter, list) else [drafter]
-    out = spec(target, drafters, policy, input_ids=prompt.repeat(n, 1), max_new_tokens=2,
+    out = spec(target, drafters, policy, input_ids=prompt.repeat(n, 1), max_new_tokens=max_new_tokens,
                spec_generator=gen, eos_token_id=None, **sampling)
     new = out[:, prompt.shape[1]:]
     counts = torch.zeros(VOCAB, VOCAB)
@@ -107,12 +108,7 @@ def hierarchy_empirical(target, draft, lower, prompt, seed):
     one (the last new token is not counted)."""
     low = noisy_copy(draft, 0.1, seed=5) if lower == "model" else hf_specdec.PromptLookupDrafter(max_ngram=1)
     hierarchy = hf_specdec.HierarchicalDrafter(low, draft, draft_len=2, cycles=1)
-    out = spec(target, [hierarchy], "fixed:2", input_ids=prompt.repeat(N, 1), max_new_tokens=3, eos_token_id=None,
-               spec_generator=torch.Generator().manual_seed(seed), **SAMPLING)
-    new = out[:, prompt.shape[1]:]
-    counts = torch.zeros(VOCAB, VOCAB)
-    counts.index_put_((new[:, 0], new[:, 1]), torch.ones(N), accumulate=True)
-    return counts / N, hierarchy.stats
+    return empirical(target, hierarchy, prompt, N, seed, policy="fixed:2", max_new_tokens=3), hierarchy.stats
 
 
 @pytest.mark.parametrize("lower", ["model", "lookup"])
