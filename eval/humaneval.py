@@ -66,7 +66,7 @@ def load_models(args):
     elif args.target in MODELS:
         target, tokenizer = load_model(args.target, dtype=args.dtype and getattr(torch, args.dtype))
     else:
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype="auto").eval()
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=args.dtype or "auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -75,7 +75,7 @@ def load_models(args):
         draft = hf_specdec.self_draft(target, args.draft).model
     elif args.draft:
         draft = load_model(args.draft, dtype=args.dtype and getattr(torch, args.dtype))[0] if args.draft in MODELS else \
-            AutoModelForCausalLM.from_pretrained(args.draft, dtype="auto").eval()
+            AutoModelForCausalLM.from_pretrained(args.draft, dtype=args.dtype or "auto").eval()
     return hf_specdec.enable(target), tokenizer, draft
 
 
@@ -354,7 +354,7 @@ def main(argv=None):
     parser.add_argument("--target", default="smollm2",
                         help=f"smollm2 (embedded), tiny-random, an embedded name ({', '.join(MODELS)}) or a model id/path")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="of the embedded models (default: theirs; Qwen: bfloat16)")
+                        help="of the loaded models (default: theirs; Qwen: bfloat16; float32 with --onednn)")
     parser.add_argument("--draft", default=None,
                         help="an embedded name, a model id/path, or int8/bf16/fp16 (a copy of the target): the "
                              "`draft` drafter (and the hierarchy's middle)")
@@ -389,9 +389,10 @@ def main(argv=None):
     uses_draft = [m.name for m in methods if m.drafter == "draft" or (m.drafter == "pool" and "draft" in args.pool)]
     if uses_draft and not args.draft:
         parser.error(f"method {uses_draft[0]} needs --draft <embedded name, model id or path>")
-    dtype = args.dtype or (MODELS[args.target].default_dtype if args.target in MODELS else "float32")
-    if args.onednn and dtype != "float32":
-        parser.error(f"--onednn swaps float32 linear layers; the models here are {dtype}: add --dtype float32")
+    if args.onednn:      # float32 unless told otherwise, as load_model(onednn=True)
+        if args.dtype not in (None, "float32"):
+            parser.error(f"--onednn swaps float32 linear layers; --dtype {args.dtype} has none (leave --dtype out)")
+        args.dtype = "float32"
     selection = [int(p) if p.isdigit() else p for p in args.problems.split(",")] if args.problems else None
     problems = load_problems(limit=args.limit, problems=selection, path=args.data)
 
