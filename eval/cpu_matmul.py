@@ -30,10 +30,9 @@ ROWS = (1, 2, 3, 5, 8, 16, 64, 256)
 IN_FEATURES, OUT_FEATURES = 1536, 8960
 
 
-def time_layer(layer: torch.nn.Module, rows: int, seconds: float = 0.5) -> float:
-    """Median seconds of one `layer` call over `rows` rows, repeated for about `seconds`."""
-    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(1))
-    x = x.to(torch.bfloat16) if any(p.dtype == torch.bfloat16 for p in layer.parameters()) else x
+def time_layer(layer: torch.nn.Module, dtype: torch.dtype, rows: int, seconds: float = 0.5) -> float:
+    """Median seconds of one `layer` call over `rows` rows of `dtype`, repeated for about `seconds`."""
+    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(1)).to(dtype)
     layer(x)                                                    # warm-up
     times = []
     while sum(times) < seconds or len(times) < 3:
@@ -44,12 +43,13 @@ def time_layer(layer: torch.nn.Module, rows: int, seconds: float = 0.5) -> float
 
 
 def layers():
-    """(kernel name, the up-projection as a layer running on it), one weight for all."""
+    """(kernel name, the up-projection as a layer running on it, its input dtype), one weight for all."""
     linear = torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False)
     torch.nn.init.normal_(linear.weight, generator=torch.Generator().manual_seed(0))
     onednn = torch.nn.Sequential(copy.deepcopy(linear))
     use_onednn_linears(onednn)
-    return [("float32", linear), ("float32, oneDNN", onednn), ("bfloat16", copy.deepcopy(linear).to(torch.bfloat16))]
+    return [("float32", linear, torch.float32), ("float32, oneDNN", onednn, torch.float32),
+            ("bfloat16", copy.deepcopy(linear).to(torch.bfloat16), torch.bfloat16)]
 
 
 def main(argv=None):
@@ -58,10 +58,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     rows_out = []
-    for kernel, layer in layers():
-        one = time_layer(layer, 1)
+    for kernel, layer, dtype in layers():
+        one = time_layer(layer, dtype, 1)
         for m in ROWS:
-            t = one if m == 1 else time_layer(layer, m)
+            t = one if m == 1 else time_layer(layer, dtype, m)
             rows_out.append({"kernel": kernel, "rows": m, "ms": round(t * 1e3, 3),
                              "gflops": round(2 * m * IN_FEATURES * OUT_FEATURES / t / 1e9, 1),
                              "x_one_row": round(t / one, 2)})
