@@ -7,7 +7,7 @@ import torch
 import hf_specdec
 from helpers import assert_same, spec
 from hf_specdec.testing import build, noisy_copy, prompts
-from test_sampling import N, SAMPLING, TV_BOUND, VOCAB, broken_verify, exact_two_token_distribution
+from test_sampling import N, SAMPLING, TV_BOUND, VOCAB, broken_verify, exact_distribution
 
 verify_module = importlib.import_module("hf_specdec.verify")
 drafter_module = importlib.import_module("hf_specdec.drafters.model")
@@ -79,7 +79,7 @@ def small_vocab():
     prompt = torch.tensor([[3, 5, 4, 3]])
     # the draft's first token passes the intermediate ~60% of the time, the chain's tokens pass the target ~30%
     return target, noisy_copy(target, 0.3), noisy_copy(target, 0.1, seed=4), prompt, \
-        exact_two_token_distribution(target, prompt)
+        exact_distribution(target, prompt, 2)
 
 
 def first_two_tokens(target, drafter, prompt, seed):
