@@ -139,7 +139,7 @@ def identity_verdict(model, batch: Batch, plain_tokens: list) -> dict:
     spec = torch.cat([prompt[0], torch.tensor(batch.tokens[0], dtype=prompt.dtype)])[None]
     verdict = compare_rows(model, prompt, batch.inputs["attention_mask"], plain, spec,
                            model.generation_config.eos_token_id)[0]
-    return {key: verdict[key] for key in ("verdict", "position", "gap", "ulp")}
+    return {key: verdict[key] for key in ("verdict", "position", "gap", "ulp", "order_spread")}
 
 
 def run(args, methods, problems, out_dir: Path):
@@ -301,8 +301,9 @@ def markdown(summary, args):
                      + f" | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'))} | {fmt(r['mean_accepted_tokens'])}"
                      f" | {fmt(r['acceptance_rate'])} | {verdict} |")
     if greedy:
-        lines += ["", "near-tie: the first token that differs from plain's was within 2 ulps of plain's at the "
-                  "target's dtype (re-scored, eval/identity.py); other: any other difference (a bug). "
+        lines += ["", "near-tie: the first token that differs from plain's scored within 2 ulps of plain's at the "
+                  "target's dtype, or within the gap's spread over evaluation orders (re-scored, eval/identity.py); "
+                  "other: any other difference (a bug). "
                   "Rows whose pass/fail differs from plain's: "
                   + ("; ".join(f"{n}: {', '.join(r['pass@1_changed_rows'])}" for n, r in summary["methods"].items()
                                if r.get("pass@1_changed_rows")) or "none") + "."]

@@ -28,6 +28,9 @@ def test_verdicts_tell_identical_rows_from_divergences_and_measure_the_gap():
     assert [v["verdict"] for v in verdicts] == ["identical", "other", "identical"]
     assert verdicts[1]["position"] == position and verdicts[1]["gap"] > 0  # plain's token scored higher
     assert counts(verdicts) == {"identical": 2, "near_tie": 0, "other": 1}
+    # re-scoring over a cache split must give the same logits up to rounding: a split that lost the
+    # positions would widen the spread until every divergence passed as a near-tie
+    assert 0 <= verdicts[1]["order_spread"] < 1e-4 * abs(verdicts[1]["gap"])
     # the same divergence counts as a near-tie only when the gap is within the allowed ulps
     wide = compare_rows(model, ids, mask, plain, spec, ulps=verdicts[1]["gap"] / verdicts[1]["ulp"] + 1)
     assert wide[1]["verdict"] == "near_tie"
