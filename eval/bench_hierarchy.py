@@ -14,7 +14,8 @@ Environments (greedy; every output is checked against plain generate()):
   qwen-humaneval, qwen-rag  the real pair: Qwen2.5-Coder-1.5B-Instruct (bf16 target), the 0.5B
            (intermediate) and prompt lookup (draft, free), on HumanEval problems in the chat prompt
            or on Spec-Bench's retrieval-augmented questions (long contexts that answers copy from;
-           --questions: its question.jsonl, eval/spec_bench.py)
+           --questions: its question.jsonl, eval/spec_bench.py); --onednn: both in float32 with
+           oneDNN linear layers (for CPUs without bf16 matrix instructions)
 Methods: plain; draft -> target and intermediate -> target at k = --two-model-k; the hierarchy at
 (k_d, k_i) = drafts per inner cycle, inner cycles per target step (the target is offered up to
 k_i (k_d + 1) tokens). Reported per method: tokens/s, MAT (tokens per target forward and row),
@@ -88,13 +89,13 @@ def smollm2_env():
         lambda b: dict(tokenizer(prompts[:b], return_tensors="pt", padding=True))
 
 
-def qwen_env(prompts: str, questions=None):
+def qwen_env(prompts: str, questions=None, onednn=False):
     from hf_specdec.embedded import load_model
     if prompts == "rag":
         from spec_bench import chat_text, load_questions
         rows = [q for q in load_questions(questions) if q["domain"] == "rag"][:4]
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
-    intermediate, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
+    intermediate, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
     if prompts == "rag":
         texts = [chat_text(q, tokenizer) for q in rows]
     else:
@@ -105,7 +106,8 @@ def qwen_env(prompts: str, questions=None):
 
 ENVS = {"tiny": lambda args: tiny_env(False), "tiny-distilled": lambda args: tiny_env(True),
         "smollm2": lambda args: smollm2_env(),
-        "qwen-humaneval": lambda args: qwen_env("humaneval"), "qwen-rag": lambda args: qwen_env("rag", args.questions)}
+        "qwen-humaneval": lambda args: qwen_env("humaneval", onednn=args.onednn),
+        "qwen-rag": lambda args: qwen_env("rag", args.questions, onednn=args.onednn)}
 
 
 def forward_seconds(model, batch: int, repeats: int = 5) -> float:
@@ -246,6 +248,7 @@ def main(argv=None):
     parser.add_argument("--two-model-k", default="2,4,6", help="k of the two-model setups")
     parser.add_argument("--hierarchy", default="2x2,3x2,4x1,2x3", help="k_d x k_i of the hierarchies")
     parser.add_argument("--questions", default=None, help="Spec-Bench's question.jsonl (qwen-rag)")
+    parser.add_argument("--onednn", action="store_true", help="qwen envs: float32 on oneDNN linear layers")
     parser.add_argument("--out", default="results/bench_hierarchy")
     parser.add_argument("--update", action="store_true",
                         help="keep the (env, batch) results already in <out>.json that this run does not redo")

@@ -5,8 +5,8 @@
 
 Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-Instruct with
 prompt-lookup drafts on raw HumanEval prompts; --env qwen-coder: the real pair,
-Qwen2.5-Coder-1.5B-Instruct (bf16) with the 0.5B as drafter, on HumanEval problems in the chat
-prompt. A phased Poisson stream (low / high / low rate) whose output lengths are drawn per request
+Qwen2.5-Coder-1.5B-Instruct (bf16; --onednn: float32 on oneDNN linear layers) with the 0.5B as
+drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low rate) whose output lengths are drawn per request
 (EOS ignored, as in trace replays). Policies: plain (k = 0), fixed
 k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator replays the
 same requests with latency models measured here (decode steps; prompt prefills apart) and, per
@@ -73,14 +73,16 @@ def main(argv=None):
     parser.add_argument("--slo-tpot", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--env", choices=("smollm2", "qwen-coder"), default="smollm2")
+    parser.add_argument("--onednn", action="store_true",
+                        help="qwen-coder: float32 on oneDNN linear layers (CPUs without bf16 matrix instructions)")
     parser.add_argument("--out", default="results/serving_smollm2")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     if args.env == "qwen-coder":
         from hf_specdec.embedded import load_model
-        model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct")
-        draft, _ = load_model("qwen2.5-coder-0.5b-instruct")
+        model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=args.onednn)
+        draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=args.onednn)
         make_drafter = lambda: hf_specdec.ModelDrafter(draft, name="qwen-0.5b")  # noqa: E731
         problems = [tokenizer(prompt_text(p, tokenizer, "chat"), add_special_tokens=False)["input_ids"]
                     for p in load_problems(limit=32)]
