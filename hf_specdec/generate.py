@@ -108,7 +108,8 @@ class DecodingLoop:
         if self.policy.offload is not None:
             self.policy.offload.begin(self.drafters, batch)
         names = [d.name for d in self.drafters]
-        self.stats = SpecStats(drafter_names=[n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)])
+        self.stats = SpecStats(drafter_names=[n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)],
+                               policy=self.policy)
         self.policy.begin(self.context(0) if len(batch.active) else StepContext(0, 0, len(self.drafters)))
 
     def run(self) -> SpecStats:

@@ -41,6 +41,7 @@ class StepRecord:
 class SpecStats:
     steps: list[StepRecord] = field(default_factory=list)
     drafter_names: list[str] = field(default_factory=list)   # assistant_models, in order
+    policy: object = None   # the SpecPolicy that ran: under spec_policy="auto", the one that learns across calls
     prime_seconds: float = 0.0   # scoring drafters on the prompt before the first step (warm start)
 
     def drafter_row_steps(self) -> dict[str, int]:

@@ -31,7 +31,7 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
 
     def __init__(self, children: list, policy: SpecPolicy, max_length: int, names: list[str]):
         self.children, self.policy, self.max_length = children, policy, max_length
-        self.stats = SpecStats(drafter_names=names)
+        self.stats = SpecStats(drafter_names=names, policy=policy)
         self.step = 0
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):

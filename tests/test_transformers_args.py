@@ -94,10 +94,9 @@ def test_where_settings_are_read(pair):
     assert first_k(target.generate(**kw, assistant_model=fresh)) == 6
     target.generation_config.num_assistant_tokens = None
     target.generation_config.assistant_confidence_threshold = None
-    import importlib
-    known = importlib.import_module("hf_specdec.generate")._AUTO_POLICIES
-    target.generate(**kw, assistant_model=fresh)                              # nothing set: "auto"
-    assert [type(p.length).__name__ for p in known[target].values()] == ["Nightjar"]
+    auto = target.generate(**kw, assistant_model=fresh).spec_stats.policy    # nothing set: "auto"
+    assert type(auto.length).__name__ == "Nightjar"
+    assert target.generate(**kw, assistant_model=fresh).spec_stats.policy is auto   # it learns across calls
     # ours win when both are given
     both = target.generate(**kw, assistant_model=draft, assistant_models=[hf_specdec.PromptLookupDrafter()],
                            spec_policy="fixed:1")
