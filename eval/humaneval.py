@@ -296,6 +296,7 @@ def markdown(summary, args):
             verdict = "; ".join(f"{c} [{r[c + '_diff_ci95'][0]:+.3f}, {r[c + '_diff_ci95'][1]:+.3f}] "
                                 f"({r[c + '_ruled_out_drop']:.3f}; {r[c + '_detectable_drop']:.3f})"
                                 + (" DROP" if r[c + "_significant_drop"] else "")
+                                + (" ABOVE 0" if r[c + "_diff_ci95"][0] > 0 else "")
                                 for c in cols if c + "_diff_ci95" in r) or "-"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" for c in cols)
                      + f" | {r['tokens_per_s']:.2f} | {fmt(r.get('speedup'))} | {fmt(r['mean_accepted_tokens'])}"
@@ -309,7 +310,9 @@ def markdown(summary, args):
                                if r.get("pass@1_changed_rows")) or "none") + "."]
     else:
         lines += ["", "Difference to plain: 95% bootstrap interval over problems of (method - plain); DROP when it "
-                  "lies below 0. Ruled out: a drop larger than the interval's lower end is excluded at 95%. "
+                  "lies below 0, ABOVE 0 when it lies above (a lossless method gets there only by chance: of m "
+                  "intervals at 95%, about m/20 exclude 0 either way). "
+                  "Ruled out: a drop larger than the interval's lower end is excluded at 95%. "
                   "Detectable: the smallest true drop this sample size would flag as DROP with 80% power "
                   "(2.8 standard errors, read off the interval's width)."]
     return "\n".join(lines) + "\n"
