@@ -6,15 +6,15 @@
 Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-Instruct with
 prompt-lookup drafts on raw HumanEval prompts; --env qwen-coder: the real pair,
 Qwen2.5-Coder-1.5B-Instruct (bf16; --onednn: float32 on oneDNN linear layers) with the 0.5B as
-drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low
-rate) whose output lengths are drawn per request (EOS ignored, as in trace replays). Policies:
-plain (k = 0), fixed k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the
-simulator replays the same requests with latency models measured here (decode steps; prompt
-prefills apart) and, per policy, what the engine measured of its drafts: acceptance rate, how often a row found any
+drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low rate)
+whose output lengths are drawn per request (EOS ignored, as in trace replays). Policies: plain (k =
+0), fixed k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator
+replays the same requests with latency models measured here (decode steps; prompt prefills apart)
+and, per policy, what the engine measured of its drafts: acceptance rate, how often a row found any
 (lookup matches), and seconds per draft token (a model drafter: its profiled latency model);
-simulated / measured throughput shows how far the simulator can be trusted. Each request's
-output is compared with the plain engine's (eval/identity.py: identical, first divergence at a
-near-tie of a bf16 target, or other, which fails the run).
+simulated / measured throughput shows how far the simulator can be trusted. Each request's output is
+compared with the plain engine's (eval/identity.py: identical, first divergence at a near-tie of a
+bf16 target, or other, which fails the run).
 Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy).
 """
 from __future__ import annotations
