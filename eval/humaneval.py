@@ -330,7 +330,8 @@ def plot(summary, args, path):
                  width, label=f"pass@{k}")
     left.set_xticks([x + width * (len(args.k) - 1) / 2 for x in range(len(names))], names, rotation=20)
     left.set_ylabel("pass@k")
-    left.legend()
+    left.set_ylim(0, 1.15)   # room above 1 for the legend, which would hide bars elsewhere
+    left.legend(loc="upper center", ncol=len(args.k))
     left.set_title("quality (should not change)")
     right.bar(names, [summary["methods"][n]["tokens_per_s"] for n in names], color="tab:gray")
     right.set_ylabel("tokens/s")
