@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 import hf_specdec
 from hf_specdec.policies import EXP3Spec, UCBSpec
 from identity import compare_rows, counts   # eval/ is on sys.path when run as a script
-from report import write_results
+from report import stamp, write_results
 from spec_bench import SOURCE as SPEC_BENCH, chat_text
 
 logger = logging.getLogger("drafter_selection")
@@ -410,6 +410,7 @@ def main(argv=None) -> dict:
     if args.env.startswith("qwen-coder") and args.questions is None:
         parser.error(f"--env {args.env} needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
 
+    starts = [stamp()]   # the code and machine of every start: a resumed run may span commits
     env = ENVS[args.env](args)
     methods = methods_for(env.pools, env.main, ablations=args.env == "smollm2")
     if args.methods:
@@ -425,7 +426,7 @@ def main(argv=None) -> dict:
     runs, verdicts = {m.name: [] for m in methods}, []
     if args.resume and partial.exists():
         saved = json.loads(partial.read_text())
-        runs, verdicts = saved["runs"], saved["verdicts"]
+        runs, verdicts, starts = saved["runs"], saved["verdicts"], saved.get("starts", []) + starts
         logger.info("resuming after %d finished prompts", len(runs["plain"]))
     for i, inputs in enumerate(tqdm(encoded, desc="prompts")):
         if i < len(runs["plain"]):
@@ -438,10 +439,11 @@ def main(argv=None) -> dict:
                                        for r in (runs["plain"][i], rec))
                 (v,) = compare_rows(model, inputs["input_ids"], None, plain_row, spec_row, eos)
                 verdicts.append({"method": m.name, "prompt": env.prompts[i]["id"], **v})
-        partial.write_text(json.dumps({"runs": runs, "verdicts": verdicts}))
+        partial.write_text(json.dumps({"runs": runs, "verdicts": verdicts, "starts": starts}))
     summary = summarize(runs, env.prompts, methods)
     summary.update(args=vars(args), prompts=[p["id"] for p in env.prompts], identity=counts(verdicts))
-    payload = {"summary": summary, "divergences": [v for v in verdicts if v["verdict"] != "identical"], "runs": {
+    payload = {"stamp": starts[0], "starts": starts, "summary": summary,
+               "divergences": [v for v in verdicts if v["verdict"] != "identical"], "runs": {
         name: [{k: v for k, v in r.items() if k != "sequence"} for r in recs] for name, recs in runs.items()}}
     md = write_results(out.parent, out.name, payload, markdown(summary, args, env.title),
                        lambda path: plot(runs, env.prompts, methods, summary, path))
