@@ -71,14 +71,16 @@ def test_parameters_are_where_the_hook_says(pair):
     hook = hf_specdec.offload.attach_residency_hook(draft)
     host_ptr = lambda: {n: t.data_ptr() for n, t in hook.host.items()}   # noqa: E731
     before = {n: p.detach().clone() for n, p in draft.named_parameters()}
-    tensors = lambda: {**dict(draft.named_parameters(remove_duplicate=False)),   # noqa: E731
-                       **dict(draft.named_buffers(remove_duplicate=False))}
+    def live_ptr():   # the model's own tensors, by the hook's names
+        tensors = {**dict(draft.named_parameters(remove_duplicate=False)),
+                   **dict(draft.named_buffers(remove_duplicate=False))}
+        return {n: tensors[n].data_ptr() for n in hook.slots}
     hook.offload()
-    live = {n: tensors()[n].data_ptr() for n in hook.slots}
+    live = live_ptr()
     assert hook.state == OFFLOADED and live == host_ptr()    # every tensor is its host copy
     hook.start_reload()
     assert hook.poll() and hook.state == RESIDENT
-    live = {n: tensors()[n].data_ptr() for n in hook.slots}
+    live = live_ptr()
     assert all(live[n] != host_ptr()[n] for n in live)        # fresh device tensors, host copy kept
     assert all(torch.equal(p, before[n]) for n, p in draft.named_parameters())
     # tied weights stay tied (the same Parameter is moved, not replaced) and are copied once
