@@ -81,6 +81,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:        # memory calls want the index
+        device = torch.device("cuda", torch.cuda.current_device())
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)

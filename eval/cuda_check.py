@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import hf_specdec
-import hf_specdec.generate
+from hf_specdec.generate import DecodingLoop
 from hf_specdec.testing import layer_skip_pair, prompts
 from identity import compare_rows, counts  # eval/ is on sys.path when run as a script
 from methods import MethodFactory, parse_methods
@@ -109,13 +109,13 @@ def count_syncs(target, factory, methods, args, device) -> list[dict]:
     for batch in args.batch_sizes:
         ids, mask = (t.to(device) for t in prompts(batch, seed=batch, min_len=8, max_len=48, vocab=args.vocab))
         for method in methods:
-            counter, step = SyncCounter(), hf_specdec.generate.DecodingLoop.step
+            counter, step = SyncCounter(), DecodingLoop.step
             if method.policy:
-                hf_specdec.generate.DecodingLoop.step = counter.inside(step)
+                DecodingLoop.step = counter.inside(step)
                 try:
                     _, steps = call(target, factory, method, ids, mask, args)
                 finally:
-                    hf_specdec.generate.DecodingLoop.step = step
+                    DecodingLoop.step = step
                 per, unit = counter.syncs / len(steps), "step"
             else:
                 with counter.counting():
@@ -224,18 +224,24 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_grad_enabled(False)
 
+    out = Path(args.out)
+    payload = {"args": dict(vars(args)), "identity": [], "syncs": [], "speed": []}
+
+    def save():                                        # after each part: a failed part keeps the others
+        return write_results(out.parent, out.name, payload, markdown(payload, args),
+                             (lambda path: plot(payload, args, path)) if payload["speed"] else None)
     with tempfile.TemporaryDirectory() as cache:       # cost profiles of this pair on this device
         os.environ.setdefault("HF_SPECDEC_CACHE", cache)
         pair = layer_skip_pair(args.upper_scale, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
-        identity = check_identity(pair, methods, args, device)
+        payload["identity"] = check_identity(pair, methods, args, device)
+        save()
         target, draft = (m.to(device, torch.bfloat16) for m in pair)
         factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"))
-        speed = time_methods(target, factory, methods, args, device)
-        syncs = count_syncs(target, factory, methods, args, device) if device.type == "cuda" else []
-    payload = {"args": {k: v for k, v in vars(args).items()}, "identity": identity, "syncs": syncs, "speed": speed}
-    out = Path(args.out)
-    md = write_results(out.parent, out.name, payload, markdown(payload, args),
-                       lambda path: plot(payload, args, path))
+        if device.type == "cuda":
+            payload["syncs"] = count_syncs(target, factory, methods, args, device)
+            save()
+        payload["speed"] = time_methods(target, factory, methods, args, device)
+        md = save()
     logger.info("wrote %s", md)
 
 

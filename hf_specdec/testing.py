@@ -45,7 +45,7 @@ def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
+            p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * scale * p.std().clamp(min=1e-3))
     return draft.eval()
 
 
