@@ -35,6 +35,7 @@ class CachedModel:
         self.cache = _compat.new_cache(self.model)
         self.forwards = 0
         self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
+        self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
         if from_first_real:
@@ -52,8 +53,11 @@ class CachedModel:
 
     @property
     def holes(self) -> bool:
-        """Whether any slot is a hole (padding, a rolled-back draft) in some row."""
-        return not bool(self.slot_mask.all())
+        """Whether any slot is a hole (padding, a rolled-back draft) in some row: a host read, kept
+        until `slot_mask` changes other than by real slots (drafting appends only those)."""
+        if self._holes is None:
+            self._holes = not bool(self.slot_mask.all())
+        return self._holes
 
     def lag(self, batch: SequenceBatch, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens each active row has not fed yet [n]; lengths: the active rows' [n], if at hand."""
@@ -68,8 +72,8 @@ class CachedModel:
         rows = batch.active
         end = batch.lengths[rows] if end is None else end
         lag = end - self.fed
-        width = int(lag.max())
-        near_prompt = int(end.min()) - width < batch.prompt_len     # (decoding steps are past every prompt)
+        width, least_end = torch.stack([lag.max(), end.min()]).tolist()       # one host read
+        near_prompt = least_end - width < batch.prompt_len          # (decoding steps are past every prompt)
         self.fed = end.clone()
         if width == 1 and not near_prompt:         # steady decoding: each row's last token (fewer ops)
             return batch.tokens[rows, end - 1][:, None], (lag > 0)[:, None]       # rows without lag: a hole
@@ -80,12 +84,17 @@ class CachedModel:
             real &= batch.is_real(rows, index)
         return batch.tokens[rows[:, None], index], real
 
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
-        """Append `tokens` [n, w] (holes where `real` is False); logits of the last `keep` slots.
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """Append `tokens` [n, w] (holes where `real` is False; None: all real); logits of the last
+        `keep` slots.
 
         Returns float32 logits [n, keep, vocab] on the device of `tokens`.
         """
         out_device = tokens.device
+        if real is None:
+            real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+        else:
+            self._holes = None
         tokens, real = tokens.to(self.device), real.to(self.device)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
         self.slot_mask = torch.cat([self.slot_mask, real], dim=1)
@@ -112,6 +121,7 @@ class CachedModel:
         drop = spec & (slot[None, :] >= keep[:, None])
         self.num_real -= drop.sum(1)
         self.slot_mask[:, spec_start:] = spec & ~drop
+        self._holes = None
         self.fed += keep.to(self.fed.device)
         self._crop_holes()
 
@@ -123,6 +133,7 @@ class CachedModel:
         after = self.slot_mask.flip(1).long().cumsum(1).flip(1)   # [n, slots]: real slots at or after s
         kill = self.slot_mask & (after <= drop.to(self.device)[:, None])
         self.slot_mask &= ~kill
+        self._holes = None
         self.num_real -= kill.sum(1)
         self.fed -= drop
         self._crop_holes()
@@ -131,11 +142,17 @@ class CachedModel:
         """Slots that are holes in every row cost attention for nothing: crop them at the end
         (rolled-back drafts) and at the front (the left padding of a longer row that left; in a
         serving loop it would pile up). Positions count real slots, so nothing else moves."""
-        used = self.slot_mask.any(0).nonzero()
-        first_used, last_used = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
+        used = self.slot_mask.any(0)                                             # [slots]
+        if not len(used):
+            return
+        # one host read: whether any slot is used, the first used and one past the last used
+        any_used, first_used, from_end = torch.stack([used.any(), used.int().argmax(),
+                                                      used.flip(0).int().argmax()]).tolist()
+        first_used, last_used = (first_used, len(used) - from_end) if any_used else (0, 0)
         _compat.crop(self.cache, self.num_slots - last_used)
         _compat.drop_front(self.cache, first_used)
         self.slot_mask = self.slot_mask[:, first_used:last_used]
+        self._holes = None
 
     def append(self, other: "CachedModel") -> None:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
@@ -145,6 +162,7 @@ class CachedModel:
             return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
         _compat.append_rows(self.cache, len(self.fed), other.cache, len(other.fed))
         self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
+        self._holes = None
         self.num_real = torch.cat([self.num_real, other.num_real])
         self.fed = torch.cat([self.fed, other.fed])
         self.forwards += other.forwards
@@ -154,5 +172,6 @@ class CachedModel:
         on_device = keep.to(self.device)
         _compat.select_rows(self.cache, on_device)
         self.slot_mask, self.num_real = self.slot_mask[on_device], self.num_real[on_device]
+        self._holes = None
         self.fed = self.fed[keep]
         self._crop_holes()       # to no slots at all when no rows are left: joiners may `append`

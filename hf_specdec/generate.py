@@ -188,7 +188,9 @@ class DecodingLoop:
         c1 = self.clock.mark()
         verified = target_verify(self.target, batch, start, draft_tokens, draft_lens, draft_probs, self.sampler)
         result, scores = verified.result, verified.scores                 # scores: [n, k+1, vocab]
-        if drafted:
+        if len(drafted) == 1:                                             # every row chose it
+            self.drafters[choice[0]].accepted(result.num_accepted)
+        elif drafted:
             chosen = torch.tensor(choice, device=start.device)
             for d in drafted:
                 self.drafters[d].accepted(torch.where(chosen == d, result.num_accepted, 0))
@@ -280,8 +282,9 @@ class DecodingLoop:
     def feedback(self, record: StepRecord, start: torch.Tensor, target_scores: torch.Tensor) -> None:
         """Score every drafter on the positions this step verified (full-information feedback)."""
         gammas, seconds = score_drafters(self.drafters, self.batch, start, target_scores, self.sampler.do_sample)
-        count = (self.batch.lengths[self.batch.active] - start).tolist()
-        record.gammas = {row: gammas[i, :count[i]].tolist() for i, row in enumerate(self.batch.active.tolist())}
+        rows = self.batch.active
+        count, rows = torch.stack([self.batch.lengths[rows] - start, rows]).tolist()      # one host read
+        record.gammas = {row: g[:c] for row, g, c in zip(rows, gammas.tolist(), count)}   # and one more
         record.replay_s = dict(enumerate(seconds))
 
     def cut_at_stops(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, most: int | None = None,

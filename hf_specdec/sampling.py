@@ -50,17 +50,19 @@ class TokenSampler:
             dummy = batch.tokens[rows][:, :1].repeat_interleave(m, 0)
             return self.processors(dummy, logits.reshape(n * m, vocab)).view(n, m, vocab)
         out = torch.empty_like(logits)
-        prefix_lengths = batch.lengths[rows] + offset
+        prefix = batch.lengths[rows] + offset                                  # [n]
+        distinct = set(prefix.tolist())                      # the one host read: how many groups
         full = logits.new_zeros(batch.tokens.shape[0], vocab)  # all rows: see below
         for j in range(m):
-            for length in torch.unique(prefix_lengths + j).tolist():
-                group = (prefix_lengths + j == length).nonzero().squeeze(1)
+            for length in sorted(d + j for d in distinct):
                 # Processors may keep per-row state indexed by the original batch row (e.g. the
                 # prompt length per row), so they always get the full batch in its original
-                # order; rows outside the group carry dummy scores and are ignored.
-                full.zero_()
-                full[rows[group]] = logits[group, j]
-                out[group, j] = self.processors(batch.tokens[:, :length], full.clone())[rows[group]]
+                # order; rows outside the group carry dummy (zero) scores and are ignored. Masks,
+                # not index lists, select the group: no further host reads.
+                group = (prefix + j == length)[:, None]                        # [n, 1]
+                full[rows] = torch.where(group, logits[:, j], 0.0)
+                processed = self.processors(batch.tokens[:, :length], full.clone())[rows]
+                out[:, j] = torch.where(group, processed, out[:, j])
         return out
 
     def probs(self, scores: torch.Tensor) -> torch.Tensor:

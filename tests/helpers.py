@@ -1,3 +1,9 @@
+import sys
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
 import hf_specdec
 from hf_specdec.policies import LengthPolicy
 
@@ -32,3 +38,60 @@ def step_record(batch_size, drafters, k, proposed, accepted, emitted, draft_s=0.
     return StepRecord(batch_size=batch_size, drafters=drafters, k=k, proposed=proposed, accepted=accepted,
                       emitted=emitted, draft_s=draft_s, verify_s=verify_s, rows=rows or [],
                       drafter_s=drafter_s or {}, gammas=gammas, **kw)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts what would be host syncs on a GPU, on any device: reads of a tensor's values into
+    Python (item, tolist, bool/int/float, `.cpu()`), ops whose output shape depends on values
+    (nonzero, unique, masked_select, boolean indexing) and copies of host tensors to the device
+    (`torch.tensor(..., device=...)`, `.to`). A tensor that came from `.cpu()` is a host tensor,
+    and so is whatever is computed from it: reading those costs no sync. Only hf_specdec's own
+    reads count (not those inside the model's forward, which plain generate() makes too)."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "equal",
+             "nonzero", "argwhere", "unique", "masked_select"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._host = {}                   # id -> weak reference of the host tensors
+
+    def _is_host(self, value):
+        if isinstance(value, (list, tuple)):
+            return any(self._is_host(v) for v in value)
+        return isinstance(value, torch.Tensor) and id(value) in self._host and self._host[id(value)]() is value
+
+    def _mark(self, value):
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                self._mark(v)
+        elif isinstance(value, torch.Tensor):
+            self._host[id(value)] = weakref.ref(value)
+
+    @staticmethod
+    def _caller_is_hf_specdec() -> bool:
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_name == "__torch_function__"
+                                     or frame.f_globals.get("__name__", "").startswith("torch")):
+            frame = frame.f_back
+        return frame is not None and frame.f_globals.get("__name__", "").startswith("hf_specdec")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if not self._caller_is_hf_specdec():
+            return func(*args, **kwargs)
+        on_host = self._is_host(list(args)) or self._is_host(list(kwargs.values()))
+        if name in ("__getitem__", "__setitem__") and not on_host:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.count += any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        elif name == "tensor":
+            self.count += "device" in kwargs            # a host list copied to the device
+        elif name in ("to", "cuda"):
+            self.count += on_host
+        elif name in self.READS and not on_host:
+            self.count += 1
+        out = func(*args, **kwargs)
+        if on_host and name not in ("to", "cuda") or name == "cpu":
+            self._mark(out)
+        return out

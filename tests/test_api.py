@@ -8,8 +8,9 @@ import torch
 import hf_specdec
 from hf_specdec.policies import UCBSpec, resolve_policy
 from hf_specdec.verify import verify
-from helpers import assert_same
-from hf_specdec.testing import build, prompts
+from helpers import HostReads, assert_same
+from hf_specdec.generate import DecodingLoop
+from hf_specdec.testing import build, layer_skip_pair, prompts
 
 
 def test_enable_disable_roundtrip():
@@ -159,3 +160,35 @@ def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monke
         assert len(marks) >= 3 * len(steps) > 0 and all(s.verify_s > 0 for s in steps)
     else:
         assert not marks
+
+
+@pytest.mark.parametrize("kind,bound", [("fixed:4", 24), ("nightjar", 24), ("hedgespec", 32), ("hierarchy", 40)])
+def test_a_step_reads_the_device_a_bounded_number_of_times_whatever_the_batch(monkeypatch, kind, bound):
+    """Each read of a device tensor by the host is a sync on a GPU (eval/cuda_check.py counts those
+    on one). Counted here on any device (HostReads), hf_specdec's own reads per step stay under a
+    bound and do not grow with the batch: no read per row, and a logits processor that reads the
+    sequence (min_new_tokens here) costs one read per scoring, not one per row or position."""
+    target, draft = layer_skip_pair(0.05, layers=4, hidden=64, vocab=512)
+    reads, steps, step = HostReads(), [], DecodingLoop.step
+
+    def counted(loop):
+        steps.append(1)
+        with reads:
+            return step(loop)
+    monkeypatch.setattr(DecodingLoop, "step", counted)
+    per_step = {}
+    for batch in (1, 12):
+        drafters, policy = [hf_specdec.ModelDrafter(draft)], kind
+        if kind == "hedgespec":
+            drafters.append(hf_specdec.PromptLookupDrafter())
+            policy = hf_specdec.SpecPolicy(selector=hf_specdec.HedgeSpec(seed=0), length=hf_specdec.FixedLength(4))
+        elif kind == "hierarchy":
+            drafters = [hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(), drafters[0], draft_len=2,
+                                                       cycles=2)]
+            policy = "fixed:2"
+        ids, mask = prompts(batch, seed=batch, min_len=8, max_len=20, vocab=512)
+        reads.count, steps[:] = 0, []
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24,
+                        custom_generate=hf_specdec.generate, assistant_models=drafters, spec_policy=policy)
+        per_step[batch] = reads.count / len(steps)
+    assert per_step[12] <= bound and per_step[12] <= 1.25 * per_step[1], per_step

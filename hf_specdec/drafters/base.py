@@ -105,29 +105,36 @@ class LookupDrafter(Drafter):
         pass              # it reads each row's tokens afresh at every proposal
 
     def continuation(self, seq: torch.Tensor, k: int) -> torch.Tensor:
-        """Up to k tokens [<= k] to follow the row's tokens `seq` [length] (no padding)."""
+        """Up to k tokens [<= k] to follow the row's tokens `seq` [length] (no padding, on the host)."""
         raise NotImplementedError
 
-    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
+    @staticmethod
+    def _on_host(batch: SequenceBatch, *columns: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
+        """The active rows' tokens [n, longest] on the host, and their lengths and `columns` ([n]
+        each) as lists: a lookup is host work, so it reads the rows once, not at every comparison."""
         rows = batch.active
-        tokens = torch.zeros(len(rows), k, dtype=torch.long, device=batch.tokens.device)
-        lengths = torch.zeros(len(rows), dtype=torch.long, device=batch.tokens.device)
-        starts, ends = batch.real_start(rows).tolist(), batch.lengths[rows].tolist()
-        for i, (row, start, end) in enumerate(zip(rows.tolist(), starts, ends)):
-            continuation = self.continuation(batch.tokens[row, start:end], k)
-            tokens[i, : len(continuation)] = continuation
-            lengths[i] = len(continuation)
-        return Proposal(tokens, lengths, None)
+        numbers = torch.stack([batch.lengths[rows], *columns]).tolist()
+        return batch.tokens[rows, :max(numbers[0])].cpu(), numbers
+
+    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
+        host, (ends, starts) = self._on_host(batch, batch.real_start(batch.active))
+        out = torch.zeros(len(ends), k + 1, dtype=torch.long)             # [n, k drafts + their count]
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            continuation = self.continuation(host[i, start:end], k)
+            out[i, : len(continuation)] = continuation
+            out[i, k] = len(continuation)
+        out = out.to(batch.tokens.device)                                 # one copy back
+        return Proposal(out[:, :k], out[:, k], None)
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
-        rows = batch.active
-        count = (batch.lengths[rows] - start).tolist()
-        tokens = torch.zeros(len(rows), max(count), dtype=torch.long, device=batch.tokens.device)
-        valid = torch.zeros_like(tokens, dtype=torch.bool)
-        firsts = batch.real_start(rows).tolist()
-        for i, (row, first, begin, m) in enumerate(zip(rows.tolist(), firsts, start.tolist(), count)):
+        host, (ends, firsts, begins) = self._on_host(batch, batch.real_start(batch.active), start)
+        count = [end - begin for begin, end in zip(begins, ends)]
+        tokens = torch.zeros(len(count), max(count), dtype=torch.long)
+        valid = torch.zeros_like(tokens)
+        for i, (first, begin, m) in enumerate(zip(firsts, begins, count)):
             for j in range(m):
-                guess = self.continuation(batch.tokens[row, first: begin + j], 1)
+                guess = self.continuation(host[i, first: begin + j], 1)
                 if len(guess):
-                    tokens[i, j], valid[i, j] = guess[0], True
-        return Prediction(tokens, valid)
+                    tokens[i, j], valid[i, j] = guess[0], 1
+        both = torch.stack([tokens, valid]).to(batch.tokens.device)      # one copy back
+        return Prediction(both[0], both[1].bool())

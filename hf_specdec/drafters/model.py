@@ -72,7 +72,7 @@ class ModelDrafter(Drafter):
                 if k not in lengths:
                     break
             if j < k - 1:
-                logits = self.runner.forward(token[:, None], torch.ones_like(token[:, None], dtype=torch.bool), 1)
+                logits = self.runner.forward(token[:, None], None, 1)          # all real
         self._fed_drafts = len(drafts) - 1               # the last draft was never fed
         self._known = torch.stack(seen, 1)               # [n, k', vocab] predicts start .. start+k'-1
         self._known_start = start.clone()
@@ -109,16 +109,18 @@ class ModelDrafter(Drafter):
         each verified position; afterwards the drafter has no lag and holds the next head."""
         rows = batch.active
         count = batch.lengths[rows] - start                              # [n] verified positions
-        width = int(count.max()) + 1                                     # + the next head
-        if self._known is not None and torch.equal(self._known_start, start):   # proposed this step
+        proposed_here = (self._known_start == start).all() if self._known is not None else count.new_tensor(0)
+        width, proposed_here = torch.stack([count.max() + 1, proposed_here.long()]).tolist()  # one host read
+        if proposed_here:                                                # proposed this step
             known, known_count = self._known, self._known_count
         elif self._head is not None:                                     # caught up last step
             known, known_count = self._head[:, None], (self.runner.fed == start).long()
         else:
             known, known_count = None, torch.zeros_like(count)
-        assert bool((self.runner.lag(batch) >= count + 1 - known_count).all()), "replay: lost positions"
+        needed = count + 1 - known_count                                 # [n] positions to feed
+        keep, fits = torch.stack([needed.max(), (self.runner.lag(batch) >= needed).all().long()]).tolist()
+        assert fits, "replay: lost positions"
         tokens, real = self.runner.pending(batch)
-        keep = int((count + 1 - known_count).max())
         out = self.runner.forward(tokens, real, keep=keep)               # [n, keep, vocab]
         # column c of `out` predicts position lengths - keep + c, i.e. step column j = c + count - keep + 1
         j = torch.arange(width, device=count.device)[None, :]            # [1, width]
