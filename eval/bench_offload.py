@@ -12,12 +12,11 @@ and a ~160M draft, 768 x 12; bf16 on CUDA; on CPU only the draft is built). Meas
     residency hook, and `DraftOffload.step` (memory probe + state machine) per step;
   - (CUDA) the largest batch whose prefill of --context tokens fits under a memory cap
     (--cap-gib, by trial) with the draft resident and with it offloaded.
-Writes <out>.json and <out>.md.
+Writes <out>.json and <out>.md, stamped with commit, versions and machine.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import hf_specdec
 from hf_specdec.offload import attach_residency_hook, detach_residency_hook
 from hf_specdec.policies import StepContext
 from bench_hierarchy import forward_seconds  # eval/ is on sys.path when run as a script
+from report import write_results
 
 
 def llama(hidden, layers, vocab, dtype, device):
@@ -155,10 +155,7 @@ def main(argv=None):
         detach_residency_hook(draft)
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2))
-    out.with_suffix(".md").write_text(markdown(res))
-    print(markdown(res))
+    print(write_results(out.parent, out.name, res, markdown(res)).read_text())
 
 
 def markdown(r) -> str:
