@@ -84,13 +84,18 @@ def call(model, factory, method, ids, mask, args):
     return out.sequences, (out.spec_stats.steps if method.policy else None)
 
 
+def batch_prompts(batch, args, device):
+    """The same left-padded random prompts for every part: (input_ids, attention_mask) [batch, <= 48]."""
+    return (t.to(device) for t in prompts(batch, seed=batch, min_len=8, max_len=48, vocab=args.vocab))
+
+
 def check_identity(pair, methods, args, device) -> list[dict]:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         target, draft = (m.to(device, dtype) for m in pair)
         factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"))
         for batch in args.batch_sizes:
-            ids, mask = (t.to(device) for t in prompts(batch, seed=batch, min_len=8, max_len=48, vocab=args.vocab))
+            ids, mask = batch_prompts(batch, args, device)
             plain, _ = call(target, factory, methods[0], ids, mask, args)
             for method in methods[1:]:
                 spec, steps = call(target, factory, method, ids, mask, args)
@@ -107,7 +112,7 @@ def count_syncs(target, factory, methods, args, device) -> list[dict]:
     """Host syncs per decoding step of each method, and per new token of plain generate()."""
     rows = []
     for batch in args.batch_sizes:
-        ids, mask = (t.to(device) for t in prompts(batch, seed=batch, min_len=8, max_len=48, vocab=args.vocab))
+        ids, mask = batch_prompts(batch, args, device)
         for method in methods:
             counter, step = SyncCounter(), DecodingLoop.step
             if method.policy:
@@ -130,7 +135,7 @@ def time_methods(target, factory, methods, args, device) -> list[dict]:
     """tokens/s of each method and its ratio to plain, methods interleaved (order rotated per round)."""
     rows = []
     for batch in args.batch_sizes:
-        ids, mask = (t.to(device) for t in prompts(batch, seed=batch, min_len=8, max_len=48, vocab=args.vocab))
+        ids, mask = batch_prompts(batch, args, device)
         seconds = {m.name: [] for m in methods}
         overhead = {m.name: [] for m in methods}
         for r in range(args.repeats + 1):                      # round 0 warms up (and measures profiles)
