@@ -138,6 +138,7 @@ def time_methods(target, factory, methods, args, device) -> list[dict]:
         ids, mask = batch_prompts(batch, args, device)
         seconds = {m.name: [] for m in methods}
         overhead = {m.name: [] for m in methods}
+        drafts = {m.name: [] for m in methods}                # mean k run a step, per round
         for r in range(args.repeats + 1):                      # round 0 warms up (and measures profiles)
             for method in methods[r % len(methods):] + methods[:r % len(methods)]:
                 if device.type == "cuda":
@@ -150,6 +151,7 @@ def time_methods(target, factory, methods, args, device) -> list[dict]:
                     seconds[method.name].append(time.perf_counter() - t0)
                     if steps:
                         overhead[method.name].append(statistics.mean(s.overhead_s for s in steps))
+                        drafts[method.name].append(round(statistics.mean(s.k for s in steps), 2))
         tokens = batch * args.max_new_tokens
         plain = seconds[methods[0].name]
         for method in methods:
@@ -157,7 +159,8 @@ def time_methods(target, factory, methods, args, device) -> list[dict]:
             rows.append({"batch": batch, "method": method.name, "tokens_per_s": tokens / statistics.median(
                 seconds[method.name]), "x_plain": statistics.median(ratios), "x_min": min(ratios),
                 "x_max": max(ratios), "overhead_ms": 1e3 * statistics.mean(overhead[method.name])
-                if overhead[method.name] else None})
+                if overhead[method.name] else None, "x_per_round": [round(x, 3) for x in ratios],
+                "k_per_round": drafts[method.name]})
             logger.info("speed %s", rows[-1])
     return rows
 

@@ -274,8 +274,8 @@ def summarize(runs: dict, prompts: list[dict], methods: list[Method]) -> dict:
     if "mixed" in table:
         rows = table["mixed"]["methods"]
         for tag in ("@N8", "@N4", "@N2", ""):
-            if f"hedgespec{tag}" in rows:
-                for baseline in ("ucb", "exp3"):
+            for baseline in ("ucb", "exp3"):
+                if f"hedgespec{tag}" in rows and f"{baseline}{tag}" in rows:   # --methods may leave one out
                     targets[f"mixed: hedgespec{tag} MAT / {baseline}{tag}"] = round(
                         rows[f"hedgespec{tag}"]["mat"] / rows[f"{baseline}{tag}"]["mat"], 3)
     return {"groups": table, "targets": targets}

@@ -52,3 +52,15 @@ def test_hierarchy_script_on_tiny_models_writes_stamped_results(tmp_path):
     assert set(rows) == {"plain", "draft->target k=3", "inter->target k=3", "hierarchy kd=2 ki=2"}
     assert all(r["identity"] == {"identical": 2, "near_tie": 0, "other": 0} for r in rows.values())
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_selection_summary_compares_hedgespec_only_with_the_baselines_that_ran():
+    methods = drafter_selection.methods_for({2: ["a", "b"]}, main=2, ablations=False)
+    methods = [m for m in methods if m.name != "exp3"]          # as with --methods leaving it out
+    prompts = [{"id": 0, "domain": "code", "text": "x", "style": "plain"}]
+    runs = {m.name: [{"tokens": 8, "seconds": 1.0, "target_forwards": f}]
+            for m, f in zip(methods, [8, 4, 2, 2, 4])}
+    targets = drafter_selection.summarize(runs, prompts, methods)["targets"]
+    assert targets == {"code: hedgespec MAT / best single (single:b)": 1.0,
+                       "mixed: hedgespec MAT / best single (single:b)": 1.0,
+                       "mixed: hedgespec MAT / ucb": 2.0}
