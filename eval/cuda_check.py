@@ -11,7 +11,8 @@ For each method (eval/methods.py names) and batch size:
     identical, near_tie, other = a bug);
   - host syncs per step: CUDA operations that made the host wait (torch.cuda.set_sync_debug_mode),
     counted inside DecodingLoop.step, plus explicit synchronize() calls; plain generate()'s per token;
-  - tokens/s against plain generate(), bfloat16, methods interleaved, --repeats rounds.
+  - tokens/s against plain generate(), bfloat16, methods interleaved, --repeats rounds (the .json
+    keeps each round's ratio to plain and mean k a step: whether a policy switched speculation off).
 Every row decodes exactly --max-new-tokens (min_new_tokens), so tokens are the same for all.
 Writes <out>.json, .md and .png. On a CPU it runs too (no sync counts), for tests.
 """
