@@ -65,7 +65,7 @@ def version_policies(package, target, draft, batch_sizes, context: int, max_len:
 
 
 def markdown(results: dict, args) -> str:
-    batches = list(results["batches"])
+    batches = sorted(results["batches"], key=int)
     lines = [f"# Before ({args.before}) and after ({results['stamp']['commit']}): greedy, {args.max_new_tokens} new "
              f"tokens, {args.repeats} interleaved rounds", "",
              "Speed over plain generate() [90% interval] (drafting steps per run); ≠n: n rows differ from plain.", "",
@@ -85,7 +85,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    batches = list(results["batches"])
+    batches = sorted(results["batches"], key=int)
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(results["batches"][batches[0]]["methods"])
     policies = sorted({m.split("@")[0] for m in names})
