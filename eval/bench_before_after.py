@@ -5,7 +5,8 @@
 
 The package as it was at --before (a commit of this repository) is extracted and imported as
 `hf_specdec_before`. Each version drives its own loop (`custom_generate=<version>.generate.generate`)
-with its own policies, profiled by its own `costmodel.profile` at the batch sizes timed, on the same real
+with its own policies, profiled by its own `costmodel.profile` at the batch sizes timed (or, with
+--profile, both on one given profile: then only the policies differ), on the same real
 pair (Qwen2.5-Coder-1.5B-Instruct, with the 0.5B as drafter; float32 on oneDNN linear layers) and
 HumanEval chat prompts. After --learn-runs untimed runs of each policy, rounds of plain generate()
 and every policy of both versions run interleaved (`bench_lengths.timed_rounds`), so a slow spell
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import json
 import logging
 import re
 import subprocess
@@ -53,11 +55,29 @@ def import_before(commit: str):
     return importlib.import_module("hf_specdec_before")
 
 
-def version_policies(package, target, draft, batch_sizes, context: int, max_len: int, names) -> tuple[dict, dict]:
-    """{name: policy} of one version, on its own profile of the pair at `batch_sizes`; and that profile."""
+def read_profile(path: str) -> dict:
+    """A cost profile as a dict: a profile JSON (`python -m hf_specdec profile`), or the one a
+    bench_lengths result holds (its first environment's)."""
+    data = json.loads(Path(path).read_text())
+    if "results" in data:
+        data = next(iter(data["results"].values()))["profile"]
+    if not all(key in data for key in ("target", "draft", "switch")):
+        raise ValueError(f"--profile {path}: expected a cost profile (keys target, draft, switch) or a "
+                         "bench_lengths result holding one")
+    return data
+
+
+def version_policies(package, target, draft, batch_sizes, context: int, max_len: int, names,
+                     given: dict | None) -> tuple[dict, dict]:
+    """{name: policy} of one version, on the `given` profile (a dict) or else its own profile of the
+    pair at `batch_sizes`; and that profile's latency models."""
     costmodel = importlib.import_module(f"{package.__name__}.costmodel")
-    prof = costmodel.profile(target, draft, batch_sizes, widths=(1, 3, 5, 8), contexts=(context, 2 * context),
-                             lags=sorted({1, 4, 16, context}), repeats=2)
+    if given is not None:     # the constructor every version has (later ones also have from_dict)
+        prof = costmodel.CostProfile(costmodel.LatencyModel(**given["target"]), costmodel.LatencyModel(**given["draft"]),
+                                     costmodel.SwitchCostTable(**given["switch"]), given.get("meta", {}))
+    else:
+        prof = costmodel.profile(target, draft, batch_sizes, widths=(1, 3, 5, 8), contexts=(context, 2 * context),
+                                 lags=sorted({1, 4, 16, context}), repeats=2)
     make = {"adaspec": lambda: package.AdaSpec(prof, max_len=max_len),
             "nightjar": lambda: package.Nightjar(max_len=max_len, switch_cost=prof),
             "dsd": lambda: package.DSDGoodput(prof, max_len=max_len)}
@@ -113,6 +133,9 @@ def main(argv=None):
     parser.add_argument("--max-len", type=int, default=8, help="largest k of the policies")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--learn-runs", type=int, default=1)
+    parser.add_argument("--profile", default=None,
+                        help="a cost profile both versions use (a profile JSON, or a bench_lengths result JSON "
+                             "holding one), so that only the policies differ; default: each version profiles")
     parser.add_argument("--out", default="results/before_after")
     args = parser.parse_args(argv)
     names = [p for p in args.policies.split(",") if p]
@@ -124,6 +147,7 @@ def main(argv=None):
         batch_sizes = []
     if not batch_sizes or min(batch_sizes) < 1:
         parser.error(f"--batch-sizes: expected comma-separated integers >= 1, got {args.batch_sizes!r}")
+    given = read_profile(args.profile) if args.profile else None
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_grad_enabled(False)
     results = {"args": vars(args), "stamp": stamp(), "batches": {}}   # the code that runs: stamped at the start
@@ -135,7 +159,7 @@ def main(argv=None):
     methods, results["profiles"] = {"plain": None}, {}
     for tag, (package, version_drafter) in versions.items():
         pols, results["profiles"][tag] = version_policies(package, model, drafter.model, batch_sizes, context,
-                                                          args.max_len, names)
+                                                          args.max_len, names, given)
         # the loop itself: the package's `generate` attribute is the function, not the module
         loop = importlib.import_module(f"{package.__name__}.generate").generate
         methods.update({f"{name}@{tag}": dict(custom_generate=loop, assistant_models=[version_drafter], spec_policy=p)

@@ -83,3 +83,17 @@ def test_before_after_imports_the_old_package_beside_this_one():
     out = target.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=loop,
                           assistant_models=[before.ModelDrafter(draft)], spec_policy=before.FixedLength(3))
     assert torch.equal(out, plain)
+
+
+def test_before_after_profile_is_read_from_a_profile_or_a_bench_lengths_result(tmp_path):
+    import bench_before_after
+    from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
+    from dataclasses import asdict
+    prof = asdict(CostProfile(LatencyModel(1e-6, 1e-3, 1e-2), LatencyModel(1e-7, 1e-4, 1e-3),
+                              SwitchCostTable([1], [1], [[0.1]])))
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    (tmp_path / "r.json").write_text(json.dumps({"results": {"env": {"profile": prof, "batches": {}}}}))
+    (tmp_path / "bad.json").write_text(json.dumps({"target": {}}))
+    assert bench_before_after.read_profile(tmp_path / "p.json") == bench_before_after.read_profile(tmp_path / "r.json")
+    with pytest.raises(ValueError, match="--profile"):
+        bench_before_after.read_profile(tmp_path / "bad.json")
