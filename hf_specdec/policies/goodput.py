@@ -12,13 +12,8 @@ token while the goodput predicted with it, its confidence guessed as the mean co
 drafts, beats the goodput of the drafts at hand; the confidence-prior verifier (Alg. 2) then drops
 the lowest-AR drafts of any row while that raises the predicted goodput, so rows verify different
 numbers of drafts. With an SLO (Alg. 3) a step predicted to take longer than `slo_tpot` scores -1.
-In the paper the first draft is always drafted (Alg. 1 starts from best_thpt = -1) unless even
-that step breaks the SLO: the drafts' confidences are what the policy learns from.
-Extension (gate=True, the default): a step drafts only where the goodput predicted for drafting
-(the best length, at the guessed confidence) beats a plain step's; while it does not, every
-`probe_every`-th step drafts all the same, so the guess keeps following the drafts and speculation
-can come back. Where speculation does not pay at all (a CPU at batch 8, where a verified position
-costs about what a plain token does), the paper's one draft forward per step is pure loss.
+The first draft is always drafted unless even that step breaks the SLO: the drafts' confidences
+are what the policy learns from.
 
 DSDGoodput (DSD / SmartSpec): one k for the step, argmax of the goodput with AR_i = alpha^i and alpha
 the acceptance rate measured so far; once k = 0 nothing is measured any more (its known deadlock).
@@ -119,46 +114,29 @@ def _cumulative(values: list[float]) -> list[float]:
 class AdaSpec(_Profiled):
     """cost_model: a CostProfile, a profile JSON path, or None (measured on first use); max_len: most
     drafts per step; slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the
-    guess for a draft's confidence before any was seen; gate, probe_every: the extension above
-    (gate=False: the paper's drafter)."""
+    guess for a draft's confidence before any was seen."""
 
     stops_drafting = trims_drafts = True
 
     def __init__(self, cost_model=None, max_len: int = 8, slo_tpot: float | None = None,
-                 prior_confidence: float = 0.5, gate: bool = True, probe_every: int = 16):
+                 prior_confidence: float = 0.5):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not isinstance(prior_confidence, (int, float)) \
                 or not 0 < prior_confidence <= 1:
             raise ValueError(f"AdaSpec(prior_confidence) must be in (0, 1], got {prior_confidence!r}")
-        if not isinstance(gate, bool):
-            raise TypeError(f"AdaSpec(gate) must be True or False, got {gate!r}")
-        if non_negative_int(probe_every, "AdaSpec(probe_every)") < 1:
-            raise ValueError(f"AdaSpec(probe_every) must be >= 1, got {probe_every}")
         self._use(cost_model, slo_tpot)
-        self.max_len, self.gate, self.probe_every = max_len, gate, probe_every
+        self.max_len = max_len
         self.recent: deque[float] = deque([prior_confidence], maxlen=64)   # latest drafts' confidences
         self.ctx: StepContext | None = None
-        self.closed = 0      # steps in a row the gate kept plain
 
     def _guess(self) -> float:
         return sum(self.recent) / len(self.recent)
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx = ctx
-        batch, context, guess = ctx.batch_size, ctx.context_tokens, self._guess()
-        first = self.model.goodput(batch, context, 1, [[guess]] * batch)
-        if first < 0:                # even one draft breaks the SLO
-            return 0
-        if self.gate and self.closed + 1 < self.probe_every:
-            # any length, not one draft only: the first draft also pays a wide verification's jump
-            drafting = max(self.model.goodput(batch, context, j, [_cumulative([guess] * j)] * batch)
-                           for j in range(1, self.max_len + 1))
-            if drafting <= self.model.goodput(batch, context, 0, [[]] * batch):
-                self.closed += 1
-                return 0
-        self.closed = 0
-        return self.max_len
+        first = self.model.goodput(ctx.batch_size, ctx.context_tokens, 1, [[self._guess()]] * ctx.batch_size)
+        return self.max_len if first >= 0 else 0
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
         """Alg. 1: draft one more token iff the goodput predicted with it (after the verifier's
@@ -178,7 +156,7 @@ class AdaSpec(_Profiled):
         return self.model.best_verification(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)[0]
 
     def __repr__(self):
-        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot}, gate={self.gate})"
+        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot})"
 
 
 class DSDGoodput(_Profiled):
