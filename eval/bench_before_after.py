@@ -45,7 +45,11 @@ POLICIES = ("adaspec", "nightjar", "dsd")
 
 def import_before(commit: str):
     """`hf_specdec/` at `commit`, importable beside this checkout's as `hf_specdec_before`."""
-    tar = subprocess.run(["git", "archive", commit, "hf_specdec"], cwd=REPO, capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", commit, "hf_specdec"], cwd=REPO, capture_output=True)
+    if archive.returncode:
+        raise ValueError(f"--before {commit!r}: not a commit of this repository with hf_specdec/ "
+                         f"({archive.stderr.decode().strip()})")
+    tar = archive.stdout
     root = Path(tempfile.mkdtemp(prefix="hf_specdec_before-"))
     tarfile.open(fileobj=io.BytesIO(tar)).extractall(root, filter="data")
     package = (root / "hf_specdec").rename(root / "hf_specdec_before")
@@ -58,7 +62,10 @@ def import_before(commit: str):
 def read_profile(path: str) -> dict:
     """A cost profile as a dict: a profile JSON (`python -m hf_specdec profile`), or the one a
     bench_lengths result holds (its first environment's)."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--profile {path}: cannot read it as JSON ({e})") from e
     if "results" in data:
         data = next(iter(data["results"].values()))["profile"]
     if not all(key in data for key in ("target", "draft", "switch")):
@@ -109,10 +116,10 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(results["batches"][batches[0]]["methods"])
     policies = sorted({m.split("@")[0] for m in names})
-    for m in names:          # a policy's colour, solid after and dashed before
+    for m in names:          # a policy's colour, dashed before
         x = [results["batches"][b]["methods"][m]["x_plain"] for b in batches]
         ax.errorbar([int(b) for b in batches], [v["median"] for v in x], marker="o", capsize=3, label=m,
-                    color=f"C{policies.index(m.split('@')[0])}", ls="-" if m.endswith("@after") else "--",
+                    color=f"C{policies.index(m.split('@')[0])}", ls="--" if m.endswith("@before") else "-",
                     yerr=[[v["median"] - v["ci90"][0] for v in x], [v["ci90"][1] - v["median"] for v in x]])
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xscale("log", base=2)

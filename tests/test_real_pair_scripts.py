@@ -95,5 +95,8 @@ def test_before_after_profile_is_read_from_a_profile_or_a_bench_lengths_result(t
     (tmp_path / "r.json").write_text(json.dumps({"results": {"env": {"profile": prof, "batches": {}}}}))
     (tmp_path / "bad.json").write_text(json.dumps({"target": {}}))
     assert bench_before_after.read_profile(tmp_path / "p.json") == bench_before_after.read_profile(tmp_path / "r.json")
-    with pytest.raises(ValueError, match="--profile"):
-        bench_before_after.read_profile(tmp_path / "bad.json")
+    for bad in ("bad.json", "missing.json"):
+        with pytest.raises(ValueError, match="--profile"):
+            bench_before_after.read_profile(tmp_path / bad)
+    with pytest.raises(ValueError, match="--before"):      # before any model loads
+        bench_before_after.main(["--before", "no-such-commit"])
