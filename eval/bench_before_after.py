@@ -155,10 +155,10 @@ def main(argv=None):
     if not batch_sizes or min(batch_sizes) < 1:
         parser.error(f"--batch-sizes: expected comma-separated integers >= 1, got {args.batch_sizes!r}")
     given = read_profile(args.profile) if args.profile else None
+    before = import_before(args.before)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_grad_enabled(False)
     results = {"args": vars(args), "stamp": stamp(), "batches": {}}   # the code that runs: stamped at the start
-    before = import_before(args.before)
 
     model, drafter, make_inputs = qwen_coder_env(onednn=True)
     context = make_inputs(1)["input_ids"].shape[1]
