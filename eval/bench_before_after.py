@@ -19,11 +19,13 @@ after every batch size.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import io
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -51,6 +53,7 @@ def import_before(commit: str):
                          f"({archive.stderr.decode().strip()})")
     tar = archive.stdout
     root = Path(tempfile.mkdtemp(prefix="hf_specdec_before-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)    # its modules may import lazily until then
     tarfile.open(fileobj=io.BytesIO(tar)).extractall(root, filter="data")
     package = (root / "hf_specdec").rename(root / "hf_specdec_before")
     for path in package.rglob("*.py"):        # absolute self-imports; "_hf_specdec_..." names stay
