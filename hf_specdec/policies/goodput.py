@@ -12,8 +12,21 @@ token while the goodput predicted with it, its confidence guessed as the mean co
 drafts, beats the goodput of the drafts at hand; the confidence-prior verifier (Alg. 2) then drops
 the lowest-AR drafts of any row while that raises the predicted goodput, so rows verify different
 numbers of drafts. With an SLO (Alg. 3) a step predicted to take longer than `slo_tpot` scores -1.
-The first draft is always drafted unless even that step breaks the SLO: the drafts' confidences
-are what the policy learns from.
+In the paper the first draft is always drafted (Alg. 1 starts from best_thpt = -1) unless even that
+step breaks the SLO: the drafts' confidences are what the policy learns from.
+Extension (gate=True, the default): whether to draft at all, charging the draft's catch-up. The
+paper's engine keeps the draft's cache current, so a step's first draft costs one draft forward. In
+generate() the draft has not seen a call's prompt at its first step, and after plain steps it lags
+by them: its first forward then catches up those tokens (the switching cost Nightjar names). A step
+drafts only where the best length's goodput, at the guessed confidence and with that catch-up spread
+over the steps drafting would take to emit the tokens left (StepContext.remaining), beats a plain
+step's. While it does not, the guess cannot follow the drafts, so a probe drafts all the same once
+the plain steps since the last drafting step have taken 1 / probe_budget times the probe's predicted
+cost (its catch-up and a step of max_len drafts): probes cost at most `probe_budget` of the time
+they watch over, and k = 0 is no dead end. A probe drafts max_len tokens and its drafts' confidences
+replace the guess's stale ones, so one probe is enough to open the gate again. Until the first
+drafts have been seen the guess is only the prior, so the gate stays open (the paper's drafter).
+Measured on the real pair against the paper's drafter: docs/benchmarks.md.
 
 DSDGoodput (DSD / SmartSpec): one k for the step, argmax of the goodput with AR_i = alpha^i and alpha
 the acceptance rate measured so far; once k = 0 nothing is measured any more (its known deadlock).
@@ -41,13 +54,19 @@ class GoodputModel:
         drafting = drafted * draft.forward_time(context, batch) + draft.alpha * batch * drafted * (drafted - 1) / 2
         return drafting + self.profile.target.forward_time(context, fed, wide=fed > batch)
 
-    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> float:
-        """Tokens per second of a step whose row b verifies len(ar[b]) drafts; -1 over the SLO."""
+    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]], spread: float = 0.0) -> float:
+        """Tokens per second of a step whose row b verifies len(ar[b]) drafts, `spread` seconds added
+        to it (a share of a catch-up, not part of the step's own SLO); -1 over the SLO."""
         verified = sum(len(row) for row in ar)
         seconds = self.step_time(batch, context, drafted, batch + verified)
         if self.slo_tpot is not None and seconds > self.slo_tpot:
             return -1.0
-        return (batch + sum(map(sum, ar))) / seconds
+        return (batch + sum(map(sum, ar))) / (seconds + spread)
+
+    def catch_up(self, batch: int, lag: int) -> float:
+        """Seconds the draft's first forward takes beyond a steady step's, `lag` tokens a row behind
+        (a steady step feeds it one)."""
+        return max(0.0, self.profile.switch(lag, batch) - self.profile.switch(1, batch))
 
     def best_verification(self, batch: int, context: int, drafted: int,
                           ar: list[list[float]]) -> tuple[list[int], float]:
@@ -114,33 +133,65 @@ def _cumulative(values: list[float]) -> list[float]:
 class AdaSpec(_Profiled):
     """cost_model: a CostProfile, a profile JSON path, or None (measured on first use); max_len: most
     drafts per step; slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the
-    guess for a draft's confidence before any was seen."""
+    guess for a draft's confidence before any was seen; gate, probe_budget: the extension above
+    (gate=False: the paper's drafter)."""
 
     stops_drafting = trims_drafts = True
 
     def __init__(self, cost_model=None, max_len: int = 8, slo_tpot: float | None = None,
-                 prior_confidence: float = 0.5):
+                 prior_confidence: float = 0.5, gate: bool = True, probe_budget: float = 0.05):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not isinstance(prior_confidence, (int, float)) \
                 or not 0 < prior_confidence <= 1:
             raise ValueError(f"AdaSpec(prior_confidence) must be in (0, 1], got {prior_confidence!r}")
+        if not isinstance(gate, bool):
+            raise TypeError(f"AdaSpec(gate) must be True or False, got {gate!r}")
+        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) or not 0 < probe_budget <= 1:
+            raise ValueError(f"AdaSpec(probe_budget) must be a number in (0, 1], got {probe_budget!r}")
         self._use(cost_model, slo_tpot)
-        self.max_len = max_len
+        self.max_len, self.gate, self.probe_budget = max_len, gate, probe_budget
         self.recent: deque[float] = deque([prior_confidence], maxlen=64)   # latest drafts' confidences
         self.ctx: StepContext | None = None
+        self.watched = 0.0     # predicted seconds of the plain steps the gate chose since the last draft
+        self.probing = self.measured = False     # measured: drafts' confidences seen (not only the prior)
 
     def _guess(self) -> float:
         return sum(self.recent) / len(self.recent)
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx = ctx
-        first = self.model.goodput(ctx.batch_size, ctx.context_tokens, 1, [[self._guess()]] * ctx.batch_size)
-        return self.max_len if first >= 0 else 0
+        batch, context, guess = ctx.batch_size, ctx.context_tokens, self._guess()
+        if self.model.goodput(batch, context, 1, [[guess]] * batch) < 0:    # even one draft breaks the SLO
+            return 0
+        self.probing = False
+        if self.gate and self.measured:
+            catch_up = self.model.catch_up(batch, ctx.max_lag)
+            if self._drafting_goodput(ctx, guess, catch_up) <= self.model.goodput(batch, context, 0, [[]] * batch):
+                self.watched += self.model.step_time(batch, context, 0, batch)
+                probe = catch_up + self.model.step_time(batch, context, self.max_len, (self.max_len + 1) * batch)
+                if self.probe_budget * self.watched < probe:
+                    return 0
+                self.probing = True
+            self.watched = 0.0
+        return self.max_len
+
+    def _drafting_goodput(self, ctx: StepContext, guess: float, catch_up: float) -> float:
+        """The best length's goodput at confidence `guess`, a share of `catch_up` added to each of the
+        steps that would emit the tokens left (all of it to one step where that is unknown)."""
+        best = -1.0
+        for j in range(1, self.max_len + 1):
+            ar = _cumulative([guess] * j)
+            steps = max(1.0, ctx.remaining / (1 + sum(ar)))
+            best = max(best, self.model.goodput(ctx.batch_size, ctx.context_tokens, j, [ar] * ctx.batch_size,
+                                                spread=catch_up / steps))
+        return best
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
         """Alg. 1: draft one more token iff the goodput predicted with it (after the verifier's
-        trimming) beats the goodput of the drafts at hand."""
+        trimming) beats the goodput of the drafts at hand (a probe drafts max_len)."""
+        if self.probing:
+            return [True] * len(confidences)
         batch, context, drafted = self.ctx.batch_size, self.ctx.context_tokens, len(confidences[0])
         ar = [_cumulative(row) for row in confidences]
         _, now = self.model.best_verification(batch, context, drafted, ar)
@@ -150,13 +201,16 @@ class AdaSpec(_Profiled):
 
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         """Alg. 2 on the drafts at hand."""
+        if self.probing:               # the guess's confidences predate the closed stretch
+            self.recent.clear()
         self.recent.extend(c for row in confidences for c in row)
+        self.measured = self.measured or any(confidences)
         drafted = max(map(len, confidences), default=0)
         ar = [_cumulative(row) for row in confidences]
         return self.model.best_verification(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)[0]
 
     def __repr__(self):
-        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot})"
+        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot}, gate={self.gate})"
 
 
 class DSDGoodput(_Profiled):

@@ -20,6 +20,13 @@ Deviation: l(B, k) is the arm's seconds summed over its tokens summed (the throu
 where the paper averages each step's seconds per token. The tokens of a step vary far more than its
 time, and the mean of per-step ratios rewards short arms (Jensen): with drafts accepted at 0.7, it
 ranks k = 1 first where k = 2 gives more tokens per second (tests/test_length_policies.py).
+Extension (explore=0.25, the default; 1.0 is the paper's Alg. 1): a bin explores with probability
+explore / b. The paper's regret analysis takes the exploration probability proportional to 1/b;
+its Alg. 1 sets the constant to 1, which in a bandit's first 128 steps explores 63 of them (18 with
+0.25), each a uniformly drawn k. Exploitation already plays every untried arm once, so the constant
+buys re-measurement only, and where no k beats plain decoding by much (the real pair on a CPU, or
+any target at a large batch) each exploring step at k > 0 also pays the draft's catch-up after
+plain steps. Measured on the real pair against the paper's constant: docs/benchmarks.md.
 Extension (buckets="pow2", the default): the batch sizes up to one power of two share a bandit. A
 static batch shrinks row by row as rows finish and a serving batch moves with the load; with one
 bandit per exact size every size met starts with a full bin of a uniformly drawn k.
@@ -65,14 +72,17 @@ class Nightjar(LengthPolicy):
     """max_len: the longest draft (Gamma_max); switch_cost: a `SwitchCostTable`, a `CostProfile`
     (its table), a callable (lag, batch_size) -> seconds, a number of seconds, or None (0);
     buckets: "pow2" (one bandit per power of two of batch sizes) or "exact" (one per size, as in the
-    paper); seed: of the exploration draws."""
+    paper); explore: the exploration constant (above; 1.0 in the paper); seed: of the exploration draws."""
 
-    def __init__(self, max_len: int = 6, switch_cost=None, buckets: str = "pow2", seed: int = 0):
+    def __init__(self, max_len: int = 6, switch_cost=None, buckets: str = "pow2", explore: float = 0.25,
+                 seed: int = 0):
         if non_negative_int(max_len, "Nightjar(max_len)") < 1:
             raise ValueError(f"Nightjar(max_len) must be >= 1, got {max_len}")
         if buckets not in ("pow2", "exact"):
             raise ValueError(f"Nightjar(buckets) must be 'pow2' or 'exact', got {buckets!r}")
-        self.max_len, self.buckets = max_len, buckets
+        if isinstance(explore, bool) or not isinstance(explore, (int, float)) or not 0 < explore <= 1:
+            raise ValueError(f"Nightjar(explore) must be a number in (0, 1], got {explore!r}")
+        self.max_len, self.buckets, self.explore = max_len, buckets, explore
         self.switch_cost = _as_switch_cost(switch_cost)
         self.rng = random.Random(seed)
         self.bandits: dict[int, _Bandit] = {}   # by batch size (or its bucket), kept across calls
@@ -90,7 +100,7 @@ class Nightjar(LengthPolicy):
     def choose(self, ctx: StepContext) -> int:
         bandit = self._bandit(ctx.batch_size)
         if bandit.round == 1:
-            if self.rng.random() < 1.0 / bandit.bin:
+            if self.rng.random() < self.explore / bandit.bin:
                 bandit.locked = self.rng.randrange(self.max_len + 1)
             else:
                 switch = self.switch_cost(ctx.max_lag, ctx.batch_size) if self.previous_k == 0 else 0.0
@@ -109,7 +119,7 @@ class Nightjar(LengthPolicy):
         self._bandit(record.batch_size).record(arm, record.seconds, tokens)
 
     def __repr__(self):
-        return f"Nightjar(max_len={self.max_len}, buckets={self.buckets!r})"
+        return f"Nightjar(max_len={self.max_len}, buckets={self.buckets!r}, explore={self.explore})"
 
 
 def _as_switch_cost(value) -> Callable[[float, float], float]:
