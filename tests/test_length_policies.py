@@ -102,7 +102,8 @@ def test_nightjar_converges_per_batch_size_and_comes_back_after_load():
 def regret_per_step(policy, seed, steps=16000):
     """Running mean of the latency per token over the optimum's, minus 1 (B=1)."""
     ks = Sim(policy, seed=seed).run(1, steps)
-    return [r / (n + 1) for n, r in enumerate(itertools.accumulate(latency(k) / latency(optimum(1)) - 1 for k in ks))]
+    regret = itertools.accumulate(latency(k) / latency(optimum(1)) - 1 for k in ks)
+    return [r / (n + 1) for n, r in enumerate(regret)]
 
 
 def test_nightjar_regret_grows_sublinearly():
@@ -311,7 +312,8 @@ def test_adaspec_gate_charges_the_drafts_catch_up():
     assert not drafts(300, 8) and drafts(300, 2000)
     assert not drafts(300, 0)      # tokens left unknown: one step pays all of it
     # before any draft was seen, the prior is no evidence: the paper's first draft
-    assert hf_specdec.AdaSpec(prof, prior_confidence=0.1).choose(StepContext(0, 2, 1, [0, 1], 128, 300, 8)) > 0
+    fresh = hf_specdec.AdaSpec(prof, prior_confidence=0.1)
+    assert fresh.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128, max_lag=300, remaining=8)) > 0
 
 
 def test_adaspec_gate_probes_cost_at_most_their_budget():

@@ -54,7 +54,8 @@ class GoodputModel:
         drafting = drafted * draft.forward_time(context, batch) + draft.alpha * batch * drafted * (drafted - 1) / 2
         return drafting + self.profile.target.forward_time(context, fed, wide=fed > batch)
 
-    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]], spread: float = 0.0) -> float:
+    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]],
+                spread: float = 0.0) -> float:
         """Tokens per second of a step whose row b verifies len(ar[b]) drafts, `spread` seconds added
         to it (a share of a catch-up, not part of the step's own SLO); -1 over the SLO."""
         verified = sum(len(row) for row in ar)
@@ -147,7 +148,8 @@ class AdaSpec(_Profiled):
             raise ValueError(f"AdaSpec(prior_confidence) must be in (0, 1], got {prior_confidence!r}")
         if not isinstance(gate, bool):
             raise TypeError(f"AdaSpec(gate) must be True or False, got {gate!r}")
-        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) or not 0 < probe_budget <= 1:
+        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) \
+                or not 0 < probe_budget <= 1:
             raise ValueError(f"AdaSpec(probe_budget) must be a number in (0, 1], got {probe_budget!r}")
         self._use(cost_model, slo_tpot)
         self.max_len, self.gate, self.probe_budget = max_len, gate, probe_budget
@@ -167,9 +169,11 @@ class AdaSpec(_Profiled):
         self.probing = False
         if self.gate and self.measured:
             catch_up = self.model.catch_up(batch, ctx.max_lag)
-            if self._drafting_goodput(ctx, guess, catch_up) <= self.model.goodput(batch, context, 0, [[]] * batch):
+            plain = self.model.goodput(batch, context, 0, [[]] * batch)
+            if self._drafting_goodput(ctx, guess, catch_up) <= plain:
                 self.watched += self.model.step_time(batch, context, 0, batch)
-                probe = catch_up + self.model.step_time(batch, context, self.max_len, (self.max_len + 1) * batch)
+                k = self.max_len
+                probe = catch_up + self.model.step_time(batch, context, k, (k + 1) * batch)
                 if self.probe_budget * self.watched < probe:
                     return 0
                 self.probing = True

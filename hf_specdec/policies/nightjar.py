@@ -22,8 +22,8 @@ time, and the mean of per-step ratios rewards short arms (Jensen): with drafts a
 ranks k = 1 first where k = 2 gives more tokens per second (tests/test_length_policies.py).
 Extension (explore=0.25, the default; 1.0 is the paper's Alg. 1): a bin explores with probability
 explore / b. The paper's regret analysis takes the exploration probability proportional to 1/b;
-its Alg. 1 sets the constant to 1, which in a bandit's first 128 steps explores 63 of them (18 with
-0.25), each a uniformly drawn k. Exploitation already plays every untried arm once, so the constant
+its Alg. 1 sets the constant to 1, which in a bandit's first 128 steps explores about 63 of them
+(15 with 0.25), each a uniformly drawn k. Exploitation already plays every untried arm once, so the constant
 buys re-measurement only, and where no k beats plain decoding by much (the real pair on a CPU, or
 any target at a large batch) each exploring step at k > 0 also pays the draft's catch-up after
 plain steps. Measured on the real pair against the paper's constant: docs/benchmarks.md.
