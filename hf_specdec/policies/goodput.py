@@ -205,7 +205,7 @@ class AdaSpec(_Profiled):
 
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         """Alg. 2 on the drafts at hand."""
-        if self.probing:               # the guess's confidences predate the closed stretch
+        if self.probing and any(confidences):     # the guess's confidences predate the closed stretch
             self.recent.clear()
         self.recent.extend(c for row in confidences for c in row)
         self.measured = self.measured or any(confidences)
