@@ -31,11 +31,13 @@ import sys
 import tarfile
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 import hf_specdec
+from hf_specdec.costmodel import CostProfile
 from bench_lengths import paired_speed, qwen_coder_env, timed_rounds  # eval/ is on sys.path as a script
 from identity import compare_rows, counts
 from report import stamp, write_results
@@ -71,10 +73,7 @@ def read_profile(path: str) -> dict:
         raise ValueError(f"--profile {path}: cannot read it as JSON ({e})") from e
     if "results" in data:
         data = next(iter(data["results"].values()))["profile"]
-    if not all(key in data for key in ("target", "draft", "switch")):
-        raise ValueError(f"--profile {path}: expected a cost profile (keys target, draft, switch) or a "
-                         "bench_lengths result holding one")
-    return data
+    return asdict(CostProfile.from_dict(data, where=f"--profile {path}"))     # checked as this version reads it
 
 
 def version_policies(package, target, draft, batch_sizes, context: int, max_len: int, names,

@@ -163,15 +163,15 @@ class AdaSpec(_Profiled):
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx = ctx
+        self.probing = False
         batch, context, guess = ctx.batch_size, ctx.context_tokens, self._guess()
         if self.model.goodput(batch, context, 1, [[guess]] * batch) < 0:    # even one draft breaks the SLO
             return 0
-        self.probing = False
         if self.gate and self.measured:
             catch_up = self.model.catch_up(batch, ctx.max_lag)
-            plain = self.model.goodput(batch, context, 0, [[]] * batch)
-            if self._drafting_goodput(ctx, guess, catch_up) <= plain:
-                self.watched += self.model.step_time(batch, context, 0, batch)
+            plain_seconds = self.model.step_time(batch, context, 0, batch)
+            if self._drafting_goodput(ctx, guess, catch_up) <= batch / plain_seconds:
+                self.watched += plain_seconds
                 k = self.max_len
                 probe = catch_up + self.model.step_time(batch, context, k, (k + 1) * batch)
                 if self.probe_budget * self.watched < probe:
