@@ -73,7 +73,8 @@ def read_profile(path: str) -> dict:
         raise ValueError(f"--profile {path}: cannot read it as JSON ({e})") from e
     if "results" in data:
         data = next(iter(data["results"].values()))["profile"]
-    return asdict(CostProfile.from_dict(data, where=f"--profile {path}"))     # checked as this version reads it
+    # checked as this version reads it
+    return asdict(CostProfile.from_dict(data, where=f"--profile {path}"))
 
 
 def version_policies(package, target, draft, batch_sizes, context: int, max_len: int, names,
@@ -82,11 +83,12 @@ def version_policies(package, target, draft, batch_sizes, context: int, max_len:
     pair at `batch_sizes`; and that profile's latency models."""
     costmodel = importlib.import_module(f"{package.__name__}.costmodel")
     if given is not None:     # the constructor every version has (later ones also have from_dict)
-        prof = costmodel.CostProfile(costmodel.LatencyModel(**given["target"]), costmodel.LatencyModel(**given["draft"]),
+        latency = costmodel.LatencyModel
+        prof = costmodel.CostProfile(latency(**given["target"]), latency(**given["draft"]),
                                      costmodel.SwitchCostTable(**given["switch"]), given.get("meta", {}))
     else:
-        prof = costmodel.profile(target, draft, batch_sizes, widths=(1, 3, 5, 8), contexts=(context, 2 * context),
-                                 lags=sorted({1, 4, 16, context}), repeats=2)
+        prof = costmodel.profile(target, draft, batch_sizes, widths=(1, 3, 5, 8),
+                                 contexts=(context, 2 * context), lags=sorted({1, 4, 16, context}), repeats=2)
     make = {"adaspec": lambda: package.AdaSpec(prof, max_len=max_len),
             "nightjar": lambda: package.Nightjar(max_len=max_len, switch_cost=prof),
             "dsd": lambda: package.DSDGoodput(prof, max_len=max_len)}
