@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 import hf_specdec  # noqa: E402
@@ -53,6 +54,8 @@ def main():
                "adaptive (Nightjar)": dict(assistant_models=[draft], spec_policy=hf_specdec.Nightjar())}
 
     rows = []
+    # a generate() call over a chunk takes minutes on a small CPU: show how far the run is
+    bar = tqdm(total=len(methods) * sum(-(-len(problems) // b) for b in batch_sizes), desc="generate() calls")
     for batch in batch_sizes:
         totals = {m: {"seconds": 0.0, "tokens": 0, "spec_tokens": 0, "row_steps": 0, "passed": 0, "verdicts": []}
                   for m in methods}
@@ -67,6 +70,7 @@ def main():
                                       return_dict_in_generate=True, **extra)
                 total = totals[name]
                 total["seconds"] += time.perf_counter() - t
+                bar.update()
                 plain = out.sequences if plain is None else plain
                 new = out.sequences[:, inputs.input_ids.shape[1]:]
                 total["tokens"] += sum(len(until_eos(row, tokenizer.eos_token_id)) for row in new)
@@ -81,6 +85,7 @@ def main():
         base = totals["plain generate()"]
         for name, total in totals.items():
             rows.append((batch, name, total, base))
+    bar.close()
 
     print(f"\n{len(problems)} HumanEval problems, greedy, max_new_tokens={args.max_new_tokens}\n")
     print(f"{'batch':>5}  {'method':<22} {'tokens/s':>9} {'speedup':>8} {'MAT':>6}  {'identical':>12}  tests passed")
