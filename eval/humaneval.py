@@ -111,11 +111,12 @@ def generate_batch(model, tokenizer, factory, method, problem, count, seed, crit
         kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
         kwargs.update(do_sample=False)
-    if method.policy is not None:
+    if method.ours:
         kwargs["spec_generator"] = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # plain generate() samples from the global RNG
     start = time.perf_counter()
-    out = model.generate(**kwargs)
+    # Transformers' methods run Transformers' own generate(), not the enabled model's wrapper
+    out = model.generate(**kwargs) if method.ours else type(model).generate(model, **kwargs)
     seconds = time.perf_counter() - start
     config = model.generation_config
     tokens = [trim(until_eos(row, config.eos_token_id), config.pad_token_id)

@@ -1,10 +1,15 @@
-"""Decoding methods by name, for the evaluation scripts: `plain` or `<policy>[:k]@<drafter>`.
+"""Decoding methods by name, for the evaluation scripts: `plain` or `<policy>[:k]@<drafter>`,
+either followed by `/static` for Transformers' compiled decoding (`cache_implementation="static"`).
 
-    methods = parse_methods("plain,fixed:5@draft,nightjar@draft,hedgespec@pool,fixed:6@hier")
+    methods = parse_methods("plain,plain/static,hf-assisted:5@draft,fixed:5@draft,auto@draft,hedgespec@pool")
     factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"))
-    model.generate(**inputs, **factory.generate_kwargs(methods[1]))
+    harness.generate(model, factory, methods[2], **inputs)     # Transformers' own path for plain, hf-assisted
 
-policy      fixed[:k]      k drafts every step (default 4)
+policy      hf-assisted[:k]  Transformers' own assisted generation (its code, not ours): k drafts a
+                           step, constant schedule, no confidence stop (default k 5); @draft or @pld;
+                           batch 1 only (Transformers refuses larger batches)
+            auto           the default policy (spec_policy="auto")
+            fixed[:k]      k drafts every step (default 4)
             hf-heuristic   Transformers' num_assistant_tokens schedule (HFHeuristic)
             confidence     Transformers' assistant_confidence_threshold (ConfidenceThreshold)
             nightjar[:k]   a bandit per batch size over 0..k drafts, 0 = no speculation (default k 6)
@@ -30,14 +35,17 @@ from dataclasses import dataclass
 import hf_specdec
 from hf_specdec.policies import EXP3Spec, UCBSpec
 
-LENGTH_POLICIES = ("fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
+HF_ASSISTED = "hf-assisted"
+LENGTH_POLICIES = ("auto", "fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
 SELECTORS = ("hedgespec", "ucb", "exp3")
 DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool")
 POOL_MEMBERS = ("draft", "pld", "bf16", "fp16", "int8")
-TAKES_K = ("fixed", "nightjar", "adaspec", "dsd", *SELECTORS)
-USAGE = (f"plain or <policy>[:k]@<drafter> with policy one of {', '.join(LENGTH_POLICIES + SELECTORS)} "
+TAKES_K = (HF_ASSISTED, "fixed", "nightjar", "adaspec", "dsd", *SELECTORS)
+STATIC = "/static"
+USAGE = (f"plain or <policy>[:k]@<drafter> with policy one of {', '.join((HF_ASSISTED,) + LENGTH_POLICIES + SELECTORS)} "
          f"(':k' for {', '.join(TAKES_K)}) and drafter one of {', '.join(DRAFTERS)}; "
-         f"{', '.join(SELECTORS)} take @pool, the others a single drafter")
+         f"{', '.join(SELECTORS)} take @pool, {HF_ASSISTED} @draft or @pld, the others a single drafter; "
+         f"'{STATIC}' after plain or {HF_ASSISTED} compiles the target (cache_implementation='static')")
 
 
 @dataclass(frozen=True)
@@ -46,21 +54,33 @@ class Method:
     policy: str | None = None   # None: plain generate()
     drafter: str | None = None
     k: int | None = None        # drafts a step (fixed, selectors) or the longest draft; None: the default
+    static: bool = False        # cache_implementation="static": Transformers compiles the target's forward
+
+    @property
+    def ours(self) -> bool:
+        """Runs hf_specdec's loop (else Transformers' own generate())."""
+        return self.policy not in (None, HF_ASSISTED)
 
 
 def parse_method(name: str) -> Method:
-    if name == "plain":
-        return Method(name)
-    head, at, drafter = name.partition("@")
+    base = name.removesuffix(STATIC)
+    static = base != name
+    if base == "plain":
+        return Method(name, static=static)
+    head, at, drafter = base.partition("@")
     policy, colon, k = head.partition(":")
-    if not at or policy not in LENGTH_POLICIES + SELECTORS or drafter not in DRAFTERS:
+    if not at or policy not in (HF_ASSISTED,) + LENGTH_POLICIES + SELECTORS or drafter not in DRAFTERS:
         raise ValueError(f"unknown method {name!r}; use {USAGE}")
+    if policy == HF_ASSISTED and drafter not in ("draft", "pld"):
+        raise ValueError(f"method {name!r}: {HF_ASSISTED} runs Transformers' assisted generation with @draft or @pld")
+    if static and policy != HF_ASSISTED:
+        raise ValueError(f"method {name!r}: '{STATIC}' applies to plain and {HF_ASSISTED} (Transformers' own paths)")
     if colon and (policy not in TAKES_K or not k.isdigit() or int(k) < 1):
         raise ValueError(f"method {name!r}: ':k' takes an integer >= 1, for {', '.join(TAKES_K)} only")
     if (policy in SELECTORS) != (drafter == "pool"):
         raise ValueError(f"method {name!r}: {', '.join(SELECTORS)} choose among the drafters of @pool, "
                          "and only they take @pool")
-    return Method(name, policy, drafter, int(k) if colon else None)
+    return Method(name, policy, drafter, int(k) if colon else None, static)
 
 
 def parse_methods(text: str) -> list[Method]:
@@ -109,6 +129,19 @@ class MethodFactory:
             return hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(), model, draft_len=2, cycles=2)
         return model
 
+    def _hf_assisted(self, method: Method) -> dict:
+        """Transformers' assisted generation with a constant k and no confidence-based early stop;
+        it reads those settings from the assistant's own generation config."""
+        k = method.k or 5
+        if method.drafter == "pld":
+            return {"prompt_lookup_num_tokens": k}
+        if self.draft_model is None:
+            raise ValueError(f"method {method.name!r} needs a draft model (--draft)")
+        config = self.draft_model.generation_config
+        config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
+        config.assistant_confidence_threshold = 0.0
+        return {"assistant_model": self.draft_model}
+
     def policy(self, method: Method):
         if method.name not in self._policies:
             self._policies[method.name] = self._make_policy(method)
@@ -133,8 +166,14 @@ class MethodFactory:
         return hf_specdec.DSDGoodput(max_len=k or 8)
 
     def generate_kwargs(self, method: Method) -> dict:
-        """The extra generate() arguments of `method`: none for plain."""
+        """The extra generate() arguments of `method` (plain: none; see `harness.generate` for
+        which generate() takes them)."""
+        static = {"cache_implementation": "static"} if method.static else {}
         if method.policy is None:
-            return {}
+            return static
+        if method.policy == HF_ASSISTED:
+            return {**static, **self._hf_assisted(method)}
+        if method.policy == "auto":
+            return {"assistant_models": [self.drafter(method.drafter)], "spec_policy": "auto"}
         kinds = self.pool if method.drafter == "pool" else (method.drafter,)
         return {"assistant_models": [self.drafter(kind) for kind in kinds], "spec_policy": self.policy(method)}

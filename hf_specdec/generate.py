@@ -91,6 +91,7 @@ class DecodingLoop:
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.streamed = batch.prompt_len
         self.clock = PhaseClock(self.target.device, events=policy.reads_times)
+        self._late = None                # (record, marks, drafter marks) of a step not yet observed
         self._controls, self._trims = policy.length.stops_drafting, policy.length.trims_drafts
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
@@ -119,6 +120,7 @@ class DecodingLoop:
         while len(self.batch.active):
             self.step()
             self.stream(final=False)
+        self.finish()
         self.stream(final=True)
         return self.stats
 
@@ -160,6 +162,7 @@ class DecodingLoop:
         batch, rows = self.batch, self.batch.active
         start = batch.lengths[rows]                                       # [n] (indexing copies)
         ctx = self.context(index, start)
+        self.observe_late()            # the previous step, if its times were left to read (CUDA events)
         decision, k = self.policy.plan(ctx)
         batch.reserve(k + 1, self.longest)
         choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
@@ -206,10 +209,8 @@ class DecodingLoop:
         emitted, stopped = self.cut_at_stops(rows, start, result.num_accepted + 1, width + 1, self.longest)
         batch.lengths[rows] = start + emitted
         emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
-        seconds = self.clock.seconds
         record = StepRecord(batch_size=len(rows), drafters=choice, k=k, k_chosen=decision.length, proposed=proposed,
-                            accepted=accepted, emitted=emitted, draft_s=seconds(c0, c1), verify_s=seconds(c1, c2),
-                            rows=ctx.rows, drafter_s={d: seconds(*marks) for d, marks in drafted.items()},
+                            accepted=accepted, emitted=emitted, draft_s=0.0, verify_s=0.0, rows=ctx.rows,
                             step=index, lag=ctx.max_lag)
         # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
         keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
@@ -221,8 +222,27 @@ class DecodingLoop:
                 start, scores = start[keep], scores[keep]
             self.feedback(record, start, scores)
         self.stats.steps.append(record)
-        self.policy.observe(record)
+        self._late = record, (c0, c1, c2), drafted
+        if not self.clock.events:     # host times: read now; CUDA events: after the next step's first read
+            self.observe_late()
         return record
+
+    def observe_late(self) -> None:
+        """Fill the last step's phase times from its clock marks, then let the policy observe it.
+        With CUDA events this runs one step late, after the next step's first host read, when the
+        marks have completed: reading them never waits on the device, and a policy sees step t-1's
+        outcome at step t (every policy learns from past steps). No-op when nothing is pending."""
+        if self._late is None:
+            return
+        (record, (c0, c1, c2), drafted), self._late = self._late, None
+        seconds = self.clock.seconds
+        record.draft_s, record.verify_s = seconds(c0, c1), seconds(c1, c2)
+        record.drafter_s = {d: seconds(*marks) for d, marks in drafted.items()}
+        self.policy.observe(record)
+
+    def finish(self) -> None:
+        """End of the steps: the policy observes the last one (waiting for its marks if need be)."""
+        self.observe_late()
 
     def join(self, rows: torch.Tensor, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
              limits: torch.Tensor) -> None:

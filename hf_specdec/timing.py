@@ -1,8 +1,9 @@
 """Phase times of a step, for the policies that read them, without synchronising the device.
 
 On a CUDA device a mark is an event recorded in the stream, and the time between two marks is
-read once the later one has completed: after the step's own host reads (its accepted counts) it
-has, so timing costs no device sync. Elsewhere the host clock is the device's.
+read once the later one has completed: the caller reads it after a host read that follows the mark
+(the decoding loop: one step later, `DecodingLoop.observe_late`), so timing costs no device sync.
+Elsewhere the host clock is the device's.
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ class PhaseClock:
         return event
 
     def seconds(self, start, end) -> float:
-        """Seconds between two marks."""
+        """Seconds between two marks. With events, waits on the device only if `end` has not
+        completed yet (at the end of a call; never within the steps, see the module docstring)."""
         if not self.events:
             return end - start
-        end.synchronize()                  # complete once the step has read its results
+        if not end.query():
+            end.synchronize()
         return start.elapsed_time(end) / 1000.0

@@ -97,4 +97,5 @@ class Engine:
                 produced = batch.tokens[row, batch.prompt_len: batch.lengths[row]].tolist()
                 result.outputs[request.id] = produced
                 result.requests.append(RequestResult(request, first, t, len(produced)))
+        loop.finish()
         return result

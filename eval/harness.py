@@ -1,0 +1,122 @@
+"""One harness for the benchmarks: methods by name, interleaved rounds, identity, stamps, resume.
+
+    factory = MethodFactory(target, draft_model=draft)
+    results = Results(Path("docs/results/bench_gpu/h200"), vars(args), markdown, plot)
+    for cell in cells:
+        if results.done(cell):                        # resumed: already measured
+            continue
+        timing = interleaved(methods, lambda m: generate(target, factory, m, **inputs), rounds=3)
+        results.add(dict(cell, speed=speed(timing, "plain")))   # written at once
+
+`generate` runs a Transformers method (plain, `hf-assisted`) through Transformers' own
+`generate()` (the class's, so `hf_specdec.enable` cannot reroute it) and ours through the
+`custom_generate` hook. `interleaved` runs every method once a round, the order rotated by one
+each round, after an untimed warm-up round; speed is the median of per-round ratios to a
+reference method, with the min and max beside it.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import hf_specdec
+from methods import Method, MethodFactory
+from report import write_results
+
+
+def generate(model, factory: MethodFactory, method: Method, **kwargs):
+    """One generate() call of `method` with `kwargs` (inputs, max_new_tokens, ...)."""
+    extra = factory.generate_kwargs(method)
+    if method.ours:
+        return model.generate(custom_generate=hf_specdec.generate, **kwargs, **extra)
+    return type(model).generate(model, **kwargs, **extra)      # Transformers' own, even on an enabled model
+
+
+@dataclass
+class Timing:
+    """What `interleaved` measured: seconds[method] per timed round, and each method's last output."""
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    outputs: dict[str, object] = field(default_factory=dict)
+
+
+def interleaved(methods: list[Method], run: Callable[[Method], object], rounds: int, warmup: bool = True,
+                device: torch.device | None = None, offset: int = 0) -> Timing:
+    """Each method once per round, the order rotated by one each round (no method always runs
+    after the same neighbour; `offset` shifts the first round's order, e.g. by the prompt chunk);
+    round 0 is an untimed warm-up when `warmup`. On a CUDA device the device is synchronised
+    around each timed call."""
+    timing = Timing(seconds={m.name: [] for m in methods})
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    for r in range(rounds + warmup):
+        shift = (r + offset) % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            sync()
+            start = time.perf_counter()
+            timing.outputs[method.name] = run(method)
+            sync()
+            if r >= warmup:
+                timing.seconds[method.name].append(time.perf_counter() - start)
+    return timing
+
+
+def speed(seconds: dict[str, list[float]], reference: str) -> dict[str, dict]:
+    """Per method: median seconds and speed over `reference` (median [min, max] of per-round ratios)."""
+    out = {}
+    for name, times in seconds.items():
+        ratios = [r / t for r, t in zip(seconds[reference], times)]
+        out[name] = {"seconds": statistics.median(times), "x": statistics.median(ratios), "x_min": min(ratios),
+                     "x_max": max(ratios), "x_per_round": [round(x, 3) for x in ratios]}
+    return out
+
+
+class Results:
+    """A benchmark's cells, written as JSON + markdown (+ plot) after each one, and resumed: a run
+    with the same arguments finds the cells it already has (`done`). markdown(payload) -> str;
+    plot(payload, path) draws the PNG."""
+
+    def __init__(self, out: Path, args: dict, markdown: Callable[[dict], str],
+                 plot: Callable[[dict, Path], None] | None = None, resume: bool = True):
+        self.out, self.markdown, self.plot = Path(out), markdown, plot
+        path = self.out.with_suffix(".json")
+        old = json.loads(path.read_text()) if resume and path.exists() else None
+        if old is not None and old.get("args") == args:
+            self.payload = old
+            self.payload.pop("stamp", None)        # stamped anew: the commit and date of this run
+        else:
+            self.payload = {"args": args, "cells": []}
+
+    @property
+    def cells(self) -> list[dict]:
+        return self.payload["cells"]
+
+    def done(self, key: dict) -> bool:
+        return any(all(c.get(k) == v for k, v in key.items()) for c in self.cells)
+
+    def add(self, cell: dict) -> Path:
+        self.cells.append(cell)
+        return self.save()
+
+    def save(self) -> Path:
+        self.payload.pop("stamp", None)
+        plot = (lambda path: self.plot(self.payload, path)) if self.plot and self.cells else None
+        return write_results(self.out.parent, self.out.name, self.payload, self.markdown(self.payload), plot)
+
+
+class ForwardCounter:
+    """Counts a model's forward calls (hooks on the module), e.g. target forwards per generate()."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.count = 0
+        self._hook = model.register_forward_pre_hook(self._tick)
+
+    def _tick(self, module, args):
+        self.count += 1
+
+    def close(self) -> None:
+        self._hook.remove()
