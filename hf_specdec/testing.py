@@ -87,3 +87,56 @@ def layer_skip_pair(upper_scale: float, layers: int = 8, hidden: int = 384, voca
     own = draft.state_dict()
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in own})
     return target, draft.eval()
+
+
+# Qwen2 sizes (hidden, layers, attention heads, key/value heads, MLP width) of the real checkpoints
+QWEN2_SIZES = {"0.5b": (896, 24, 14, 2, 4864), "1.5b": (1536, 28, 12, 2, 8960), "7b": (3584, 28, 28, 4, 18944),
+               "toy": (64, 2, 4, 2, 128)}
+QWEN2_VOCAB = 151936
+
+
+def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: int = 0, device=None,
+                 dtype=torch.bfloat16) -> torch.nn.Module:
+    """A Qwen2 causal LM of a real size (`QWEN2_SIZES`) that does all its work yet whose greedy
+    output is known: from any prompt it continues last+1, last+2, ... (mod vocab).
+
+    Every layer's o_proj and down_proj are zero, so the residual stream is the input embedding.
+    Embedding row x is the point (cos 2*pi*f*x/V, sin 2*pi*f*x/V) over hidden/2 random integer
+    frequencies f (f*x reduced mod V in integers first), and lm_head row v is embedding row v-1:
+    the logit of v peaks at v = x+1 (hidden/2 against random cosine sums of about sqrt(hidden)).
+    alpha < 1 makes a draft: for a random share 1-alpha of tokens x (drawn with `seed` + 1) the
+    input embedding row x is row x+1, so it proposes x+2 there, which the target rejects; per-token
+    acceptance is then about alpha. Models built with the same `seed` and size share embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    hidden, layers, heads, kv_heads, mlp = QWEN2_SIZES[size]
+    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=mlp, vocab_size=vocab,
+                         tie_word_embeddings=False, use_sliding_window=False, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    device = torch.device(device or "cpu")
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    freqs = torch.randint(1, vocab, (hidden // 2,), generator=gen)
+    x = torch.arange(vocab)
+    angle = (freqs[None, :] * x[:, None]) % vocab * (2 * torch.pi / vocab)        # [vocab, hidden/2]
+    rows = torch.cat([angle.cos(), angle.sin()], dim=1)                          # [vocab, hidden]
+    embedding = rows.clone()
+    if alpha < 1.0:
+        wrong = torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) >= alpha
+        embedding[wrong] = rows[(x[wrong] + 1) % vocab]
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embedding)
+        model.lm_head.weight.copy_(rows.roll(1, dims=0))                          # row v = row v-1
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def circle_continuation(input_ids: torch.Tensor, new_tokens: int, vocab: int = QWEN2_VOCAB) -> torch.Tensor:
+    """What greedy decoding of a `circle_model` appends to input_ids [batch, p]: [batch, new_tokens]."""
+    steps = torch.arange(1, new_tokens + 1, device=input_ids.device)
+    return (input_ids[:, -1:] + steps) % vocab

@@ -1,0 +1,278 @@
+"""The GPU benchmark: real Qwen2 architectures at real sizes with built weights, every method side by side.
+
+    python eval/bench_gpu.py --out docs/results/bench_gpu/h200            # a GPU machine, < 8 minutes
+    python eval/bench_gpu.py --device cpu --pairs toy/toy --vocab 1024 --out /tmp/tiny   # as the test runs it
+
+The GPU machines reach no model hub, so target and draft are `hf_specdec.testing.circle_model`s:
+the real architecture at its real size (every layer computes), with weights built so that greedy
+decoding continues last+1, last+2, ... and the draft, built alike, agrees with a per-token
+probability of about alpha. Outputs are known exactly and every cost is the real model's.
+
+Per cell (target/draft pair, alpha, batch size), methods interleaved (eval/harness.py; round 0 is
+an untimed warm-up, which also compiles the `/static` methods):
+  - tokens/s, speed over plain eager `generate()` and over compiled plain (`plain/static`);
+  - the measured forward costs: target at 1 and k+1 tokens, draft at 1 token (eager, over a cache
+    of the prompt); c = draft / target step, v = verification / target step;
+  - the Leviathan bound (1 - a^(k+1)) / ((1 - a)(k c + v)) with the per-token acceptance a
+    measured on fixed k, and each speculative method's speed over plain as a fraction of it;
+  - host syncs per step of our loop (CUDA only: operations that made the host wait, counted in an
+    extra untimed call) and per token of plain generate();
+  - identity: every row of every method against the known continuation.
+`hf-assisted` (Transformers' own assisted generation) runs at batch 1 only: it refuses more.
+Each cell is written as it finishes (JSON + markdown + PNG); a rerun with the same arguments
+resumes; no cell starts once --budget-s has passed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_specdec import _compat
+from hf_specdec.generate import DecodingLoop
+from hf_specdec.testing import QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts
+from harness import Results, generate, interleaved, speed  # eval/ is on sys.path when run as a script
+from methods import MethodFactory, parse_methods
+
+logger = logging.getLogger("bench_gpu")
+METHODS = "plain,plain/static,hf-assisted:5@draft,hf-assisted:5@draft/static,fixed:5@draft,auto@draft"
+
+
+class SyncCounter:
+    """Counts the host's waits on the device: operations CUDA's sync debug mode reports, and calls
+    of torch.cuda.synchronize / Event.synchronize, while `counting()` is open."""
+
+    def __init__(self):
+        self.syncs = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        originals = torch.cuda.synchronize, torch.cuda.Event.synchronize
+
+        def explicit(original):
+            def wrapper(*args, **kwargs):
+                self.syncs += 1
+                return original(*args, **kwargs)
+            return wrapper
+        torch.cuda.synchronize, torch.cuda.Event.synchronize = explicit(originals[0]), explicit(originals[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize, torch.cuda.Event.synchronize = originals
+        self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+
+
+def syncs_per_step(target, factory, method, inputs, new_tokens) -> float:
+    """Host syncs per decoding step of our loop (per new token for Transformers' methods)."""
+    counter = SyncCounter()
+    if not method.ours:
+        with counter.counting():
+            generate(target, factory, method, **inputs, max_new_tokens=new_tokens, do_sample=False)
+        return counter.syncs / new_tokens
+    steps, step = [], DecodingLoop.step
+
+    def counted(loop):
+        steps.append(1)
+        with counter.counting():
+            return step(loop)
+    DecodingLoop.step = counted
+    try:
+        generate(target, factory, method, **inputs, max_new_tokens=new_tokens, do_sample=False)
+    finally:
+        DecodingLoop.step = step
+    return counter.syncs / len(steps)
+
+
+def forward_ms(model, ids: torch.Tensor, width: int, reps: int) -> float:
+    """Median milliseconds of one eager forward of `width` new tokens per row over a cache of ids [b, p]."""
+    sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(reps + 1):
+        cache = _compat.new_cache(model)
+        model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+        sync()
+        start = time.perf_counter()
+        model(input_ids=ids[:, -width:], use_cache=True, **_compat.cache_kwargs(model, cache))
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:])
+
+
+def leviathan_bound(alpha: float, k: int, c: float, v: float) -> float:
+    """Expected speed over plain decoding of k drafts a step at per-token acceptance alpha, a draft
+    step costing c and a verification v target steps (Leviathan et al. 2023, Theorem 3.8 with v)."""
+    if alpha >= 1.0:
+        return (k + 1) / (k * c + v)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + v))
+
+
+def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> dict:
+    factory = MethodFactory(target, draft_model=draft)
+    ids, mask = (t.to(device) for t in prompts(batch, seed=batch, min_len=args.prompt_len // 2,
+                                                max_len=args.prompt_len, vocab=args.vocab))
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    expected = circle_continuation(ids, args.max_new_tokens, args.vocab)
+    methods = [m for m in methods if batch == 1 or m.ours or m.policy is None]   # hf-assisted: batch 1
+    steps = {}
+
+    def run(method):
+        out = generate(target, factory, method, **inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+                       return_dict_in_generate=True)
+        steps[method.name] = out.spec_stats.steps if method.ours else None
+        return out.sequences
+    timing = interleaved(methods, run, args.rounds, device=device)
+    tokens = batch * args.max_new_tokens
+    rows = {}
+    vs_plain = speed(timing.seconds, "plain")
+    vs_static = speed(timing.seconds, "plain/static") if "plain/static" in timing.seconds else {}
+    for method in methods:
+        new = timing.outputs[method.name][:, ids.shape[1]:]
+        row = {"tokens_per_s": tokens / vs_plain[method.name]["seconds"], "x_plain": vs_plain[method.name],
+               "x_static": vs_static.get(method.name, {}).get("x"),
+               "identical_rows": int((new == expected).all(1).sum()), "rows": batch}
+        if steps[method.name]:
+            recs = steps[method.name]
+            proposed, accepted = sum(sum(s.proposed) for s in recs), sum(sum(s.accepted) for s in recs)
+            rejections = sum(a < p for s in recs for a, p in zip(s.accepted, s.proposed))
+            row.update(mean_k=statistics.mean(s.k for s in recs),
+                       mat=sum(sum(s.emitted) for s in recs) / sum(s.batch_size for s in recs),
+                       # per-token acceptance: accepted drafts over accepted + rejected (geometric MLE)
+                       alpha=accepted / (accepted + rejections) if proposed else None)
+        if device.type == "cuda":
+            row["syncs"] = syncs_per_step(target, factory, method, inputs, args.max_new_tokens)
+        rows[method.name] = row
+        logger.info("batch %d %s: %.0f tok/s, %.2fx plain", batch, method.name, row["tokens_per_s"],
+                    row["x_plain"]["x"])
+    costs = {"target_1": forward_ms(target, ids, 1, args.forward_reps),
+             "target_k1": forward_ms(target, ids, args.k + 1, args.forward_reps),
+             "draft_1": forward_ms(draft, ids, 1, args.forward_reps)}
+    c, v = costs["draft_1"] / costs["target_1"], costs["target_k1"] / costs["target_1"]
+    measured = rows.get(f"fixed:{args.k}@draft", {}).get("alpha")
+    bound = leviathan_bound(measured if measured is not None else alpha, args.k, c, v)
+    for method in methods:                       # speculative methods against what their costs allow
+        rows[method.name]["x_bound"] = rows[method.name]["x_plain"]["x"] / bound if method.policy else None
+    return {"alpha_built": alpha, "batch": batch, "costs_ms": costs, "c": c, "v": v, "alpha": measured,
+            "bound": bound, "methods": rows}
+
+
+def markdown(payload) -> str:
+    args = payload["args"]
+    lines = [f"Qwen2 architectures at real sizes with built weights (`circle_model`), {args['dtype']}, greedy, "
+             f"{args['max_new_tokens']} new tokens a row, prompts up to {args['prompt_len']} tokens, k = {args['k']} "
+             f"for the bound; {args['rounds']} interleaved rounds after a warm-up. x plain / x static: median "
+             "[min, max] of per-round speed ratios to eager and compiled plain generate(). x bound: x plain over "
+             "the Leviathan bound from the measured a, c, v. syncs: host syncs per step (plain and hf-assisted: "
+             "per token). identical: rows equal to the known continuation.", ""]
+    for cell in payload["cells"]:
+        cost = cell["costs_ms"]
+        alpha = f"{cell['alpha']:.2f}" if cell["alpha"] is not None else "-"
+        lines += [f"**{cell['pair']}, built a = {cell['alpha_built']}, batch {cell['batch']}**: forwards target 1 / "
+                  f"{args['k'] + 1} tokens {cost['target_1']:.1f} / {cost['target_k1']:.1f} ms, draft "
+                  f"{cost['draft_1']:.1f} ms (c = {cell['c']:.2f}, v = {cell['v']:.2f}); measured a = {alpha}; "
+                  f"bound {cell['bound']:.2f}x plain", "",
+                  "| method | tokens/s | x plain | x static | x bound | mean k | MAT | syncs | identical |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+        for name, r in cell["methods"].items():
+            x = r["x_plain"]
+            fmt = lambda v, f=".2f": "-" if v is None else format(v, f)  # noqa: E731
+            lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
+                         f"{fmt(r['x_static'])} | {fmt(r['x_bound'])} | {fmt(r.get('mean_k'))} | {fmt(r.get('mat'))} | "
+                         f"{fmt(r.get('syncs'), '.1f')} | {r['identical_rows']}/{r['rows']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(payload, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = list(dict.fromkeys((c["pair"], c["alpha_built"]) for c in payload["cells"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    for ax, (pair, alpha) in zip(axes[0], groups):
+        cells = sorted((c for c in payload["cells"] if (c["pair"], c["alpha_built"]) == (pair, alpha)),
+                       key=lambda c: c["batch"])
+        names = [n for n in dict.fromkeys(n for c in cells for n in c["methods"]) if n != "plain"]
+        width = 0.8 / max(len(names), 1)
+        for j, name in enumerate(names):
+            pts = [(i, c["methods"][name]["x_plain"]["x"]) for i, c in enumerate(cells) if name in c["methods"]]
+            ax.bar([i + j * width for i, _ in pts], [y for _, y in pts], width, label=name)
+        for i, c in enumerate(cells):
+            ax.hlines(c["bound"], i - width / 2, i + 0.8 - width / 2, colors="black", linestyles="dashed",
+                      label="Leviathan bound" if i == 0 else None)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"batch {c['batch']}" for c in cells])
+        ax.set_ylabel("speed / plain eager generate()")
+        ax.set_title(f"{pair}, a = {alpha}")
+        ax.legend(fontsize=7)
+    fig.suptitle(payload["stamp"]["machine"]["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--pairs", default="7b/0.5b", help=f"target/draft sizes among {sorted(QWEN2_SIZES)}")
+    parser.add_argument("--alphas", default="0.8", help="built per-token acceptance of the draft")
+    parser.add_argument("--batch-sizes", default="1,4,16,64")
+    parser.add_argument("--methods", default=METHODS, help="plain first, then eval/methods.py names")
+    parser.add_argument("--k", type=int, default=5, help="draft length of the bound (and of fixed:k)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--forward-reps", type=int, default=10)
+    parser.add_argument("--vocab", type=int, default=QWEN2_VOCAB)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--budget-s", type=float, default=400, help="start no cell after this many seconds")
+    parser.add_argument("--out", required=True, help="path prefix: <out>.json, .md, .png")
+    args = parser.parse_args(argv)
+    try:
+        methods = parse_methods(args.methods)
+        pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
+        alphas = [float(a) for a in args.alphas.split(",")]
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError as e:
+        parser.error(str(e))
+    if methods[0].name != "plain":
+        parser.error("--methods must start with plain (the reference)")
+    if any(len(p) != 2 or not set(p) <= set(QWEN2_SIZES) for p in pairs):
+        parser.error(f"--pairs: target/draft sizes among {sorted(QWEN2_SIZES)}, got {args.pairs!r}")
+    if any(not 0 < a <= 1 for a in alphas):
+        parser.error(f"--alphas must lie in (0, 1], got {args.alphas!r}")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_grad_enabled(False)
+    began = time.perf_counter()
+
+    results = Results(Path(args.out), vars(args), markdown, plot)
+    for target_size, draft_size in pairs:
+        pair = f"{target_size}/{draft_size}"
+        target = None
+        for alpha in alphas:
+            draft = None
+            for batch in batch_sizes:
+                if results.done({"pair": pair, "alpha_built": alpha, "batch": batch}):
+                    continue
+                if time.perf_counter() - began > args.budget_s:
+                    logger.warning("budget of %.0f s spent: stopping before %s a=%s batch %d", args.budget_s,
+                                   pair, alpha, batch)
+                    return
+                target = target or circle_model(target_size, args.vocab, device=device, dtype=dtype)
+                draft = draft or circle_model(draft_size, args.vocab, alpha=alpha, device=device, dtype=dtype)
+                cell = run_cell(target, draft, methods, batch, alpha, args, device)
+                logger.info("wrote %s", results.add({"pair": pair, **cell}))
+
+
+if __name__ == "__main__":
+    main()
