@@ -137,8 +137,8 @@ def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monke
             self.at = time.perf_counter()
             marks.append(self)
 
-        def synchronize(self):
-            pass
+        def query(self):
+            return True
 
         def elapsed_time(self, end):
             return (end.at - self.at) * 1000.0
@@ -160,6 +160,67 @@ def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monke
         assert len(marks) >= 3 * len(steps) > 0 and all(s.verify_s > 0 for s in steps)
     else:
         assert not marks
+
+
+def test_reading_times_costs_no_host_sync_per_step(monkeypatch):
+    """On a GPU, a CUDA event's time can be read without waiting only once a host read has passed
+    it. Emulated here on CPU: a stand-in event completes at the next of hf_specdec's host reads
+    (HostReads: what would sync on a GPU). The same draft lengths with and without a policy that
+    reads times take the same host reads per step, and no step waits on an event: a step's times
+    are read one step later (the last step's at the end of the call)."""
+    from helpers import Scripted
+    reads = HostReads()
+    waits = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            self.at, self.reads = time.perf_counter(), reads.count
+
+        def query(self):
+            return reads.count > self.reads
+
+        def synchronize(self):
+            waits.append(in_step[0])
+            self.reads = -1
+
+        def elapsed_time(self, end):
+            assert self.query() and end.query(), "reading an event still queued on the device fails on a GPU"
+            return (end.at - self.at) * 1000.0
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timing = importlib.import_module("hf_specdec.timing")
+    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device, events: setattr(self, "events", events))
+    in_step, step = [False], DecodingLoop.step
+
+    def counted(loop):
+        in_step[0] = True
+        with reads:
+            try:
+                return step(loop)
+            finally:
+                in_step[0] = False
+    monkeypatch.setattr(DecodingLoop, "step", counted)
+    target, draft = layer_skip_pair(0.05, layers=3, hidden=64, vocab=512)
+    target.generation_config.eos_token_id = None     # no EOS check: a plain step then reads nothing after verifying
+    ids, mask = prompts(3, seed=2, min_len=6, max_len=12, vocab=512)
+    per_step, observed = {}, {}
+    for reads_times in (False, True):
+        policy = Scripted(lambda step: [0, 3, 0, 2, 4][step % 5])
+        policy.reads_times = reads_times
+        seen = []
+        policy.observe = seen.append
+        reads.count = 0
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                              custom_generate=hf_specdec.generate, assistant_models=[hf_specdec.ModelDrafter(draft)],
+                              spec_policy=policy, return_dict_in_generate=True)
+        per_step[reads_times] = reads.count / len(out.spec_stats.steps)
+        observed[reads_times] = seen
+        assert seen == out.spec_stats.steps                  # every step observed, the last one too
+    assert per_step[True] == per_step[False], per_step
+    assert True not in waits                                 # never inside a step
+    assert all(r.verify_s > 0 for r in observed[True])
 
 
 @pytest.mark.parametrize("kind,bound", [("fixed:4", 24), ("nightjar", 24), ("hedgespec", 32), ("hierarchy", 40)])
