@@ -36,8 +36,8 @@ def _cpu_matmul() -> str:
     multiplies bf16 matrices in hardware: without it a bf16 forward over many tokens (a
     verification, a prefill) is several times slower, which moves every speed ratio here."""
     import torch
-    flags = (_cpuinfo("flags") or "").split()
-    bf16 = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+    from hf_specdec.embedded import cpu_bf16_matmul
+    bf16 = cpu_bf16_matmul()
     return f"{torch.backends.cpu.get_cpu_capability()}, {'bf16 matmul' if bf16 else 'no bf16 matmul'}"
 
 

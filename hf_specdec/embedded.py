@@ -68,6 +68,26 @@ MODELS = {
 SOURCES = ("auto", "hub", "pypi")
 
 
+def cpu_bf16_matmul(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16 in
+    /proc/cpuinfo's flags; `cpuinfo`: that file's text, for tests). False where it cannot tell."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
+
+
+def cpu_load_kwargs(cpuinfo: str | None = None) -> dict:
+    """`load_model` arguments for the fast path of this CPU: bf16 where it has bf16 matrix
+    instructions, else float32 through oneDNN (bf16 is emulated there: verifying a few tokens
+    costs several times a one-token step, eval/cpu_matmul.py)."""
+    import torch
+    return {"dtype": torch.bfloat16} if cpu_bf16_matmul(cpuinfo) else {"onednn": True}
+
+
 def cache_dir() -> Path:
     """Where assembled GGUF files live: $HF_SPECDEC_CACHE, else <user cache>/hf_specdec."""
     if os.environ.get("HF_SPECDEC_CACHE"):

@@ -71,3 +71,12 @@ def test_load_model_onednn_is_float32_and_refuses_another_dtype():
     model, _ = load_model("smollm2-135m-instruct", source="pypi", onednn=True)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_cpu_load_kwargs_pick_bf16_only_with_bf16_matrix_instructions():
+    from hf_specdec.embedded import cpu_bf16_matmul, cpu_load_kwargs
+    amx = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
+    assert cpu_load_kwargs(amx) == {"dtype": torch.bfloat16} and cpu_bf16_matmul(amx)
+    assert cpu_load_kwargs(avx2) == {"onednn": True} and not cpu_bf16_matmul(avx2)
+    assert cpu_load_kwargs("flags\t: avx512_bf16\n") == {"dtype": torch.bfloat16}
