@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "eval"))     # the scripts import their eval/ neighbours by name
@@ -65,38 +64,3 @@ def test_selection_summary_compares_hedgespec_only_with_the_baselines_that_ran()
     assert targets == {"code: hedgespec MAT / best single (single:b)": 1.0,
                        "mixed: hedgespec MAT / best single (single:b)": 1.0,
                        "mixed: hedgespec MAT / ucb": 2.0}
-
-
-def test_before_after_imports_the_old_package_beside_this_one():
-    import bench_before_after
-    import hf_specdec
-    from hf_specdec.testing import layer_skip_pair
-    before = bench_before_after.import_before("HEAD")
-    assert before.__name__ == "hf_specdec_before" and before.FixedLength is not hf_specdec.FixedLength
-    # every module of the old package is its own copy: none resolves to this checkout's files
-    old = {name: m.__file__ for name, m in sys.modules.items() if name.startswith("hf_specdec_before")}
-    assert len(old) > 10 and not any(f.startswith(str(ROOT)) for f in old.values())
-    target, draft = layer_skip_pair(0.0)
-    ids = torch.tensor([[1, 5, 9, 2]])
-    plain = target.generate(ids, max_new_tokens=8, do_sample=False)
-    loop = sys.modules["hf_specdec_before.generate"].generate
-    out = target.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=loop,
-                          assistant_models=[before.ModelDrafter(draft)], spec_policy=before.FixedLength(3))
-    assert torch.equal(out, plain)
-
-
-def test_before_after_profile_is_read_from_a_profile_or_a_bench_lengths_result(tmp_path):
-    import bench_before_after
-    from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
-    from dataclasses import asdict
-    prof = asdict(CostProfile(LatencyModel(1e-6, 1e-3, 1e-2), LatencyModel(1e-7, 1e-4, 1e-3),
-                              SwitchCostTable([1], [1], [[0.1]])))
-    (tmp_path / "p.json").write_text(json.dumps(prof))
-    (tmp_path / "r.json").write_text(json.dumps({"results": {"env": {"profile": prof, "batches": {}}}}))
-    (tmp_path / "bad.json").write_text(json.dumps({"target": {}}))
-    assert bench_before_after.read_profile(tmp_path / "p.json") == bench_before_after.read_profile(tmp_path / "r.json")
-    for bad in ("bad.json", "missing.json"):
-        with pytest.raises(ValueError, match="--profile"):
-            bench_before_after.read_profile(tmp_path / bad)
-    with pytest.raises(ValueError, match="--before"):      # before any model loads
-        bench_before_after.main(["--before", "no-such-commit"])
