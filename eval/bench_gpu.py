@@ -130,9 +130,10 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
                        return_dict_in_generate=True)
         steps[method.name] = out.spec_stats.steps if method.ours else None
         return out.sequences
-    timing = interleaved(methods, run, args.rounds, device=device)
+    timing = interleaved(methods, run, args.rounds, device=device, keep_going=True)
     tokens = batch * args.max_new_tokens
-    rows = {}
+    rows = {name: {"error": error} for name, error in timing.errors.items()}
+    methods = [m for m in methods if m.name not in timing.errors]
     vs_plain = speed(timing.seconds, "plain")
     vs_static = speed(timing.seconds, "plain/static") if "plain/static" in timing.seconds else {}
     for method in methods:
@@ -183,6 +184,9 @@ def markdown(payload) -> str:
                   "| method | tokens/s | x plain | x static | x bound | mean k | MAT | syncs | identical |",
                   "|---|---:|---|---|---:|---:|---:|---:|---:|"]
         for name, r in cell["methods"].items():
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error'][:120]} |")
+                continue
             x = r["x_plain"]
             fmt = lambda v, f=".2f": "-" if v is None else format(v, f)  # noqa: E731
             lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
@@ -204,7 +208,8 @@ def plot(payload, path: Path) -> None:
         names = [n for n in dict.fromkeys(n for c in cells for n in c["methods"]) if n != "plain"]
         width = 0.8 / max(len(names), 1)
         for j, name in enumerate(names):
-            pts = [(i, c["methods"][name]["x_plain"]["x"]) for i, c in enumerate(cells) if name in c["methods"]]
+            pts = [(i, c["methods"][name]["x_plain"]["x"]) for i, c in enumerate(cells)
+                   if "x_plain" in c["methods"].get(name, {})]
             ax.bar([i + j * width for i, _ in pts], [y for _, y in pts], width, label=name)
         for i, c in enumerate(cells):
             ax.hlines(c["bound"], i - width / 2, i + 0.8 - width / 2, colors="black", linestyles="dashed",

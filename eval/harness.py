@@ -17,6 +17,7 @@ reference method, with the min and max beside it.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ import hf_specdec
 from methods import Method, MethodFactory
 from report import write_results
 
+logger = logging.getLogger(__name__)
+
 
 def generate(model, factory: MethodFactory, method: Method, **kwargs):
     """One generate() call of `method` with `kwargs` (inputs, max_new_tokens, ...)."""
@@ -40,25 +43,38 @@ def generate(model, factory: MethodFactory, method: Method, **kwargs):
 
 @dataclass
 class Timing:
-    """What `interleaved` measured: seconds[method] per timed round, and each method's last output."""
+    """What `interleaved` measured: seconds[method] per timed round, each method's last output, and
+    the error of each method that raised (it runs no more rounds and has no seconds)."""
     seconds: dict[str, list[float]] = field(default_factory=dict)
     outputs: dict[str, object] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 def interleaved(methods: list[Method], run: Callable[[Method], object], rounds: int, warmup: bool = True,
-                device: torch.device | None = None, offset: int = 0) -> Timing:
+                device: torch.device | None = None, offset: int = 0, keep_going: bool = False) -> Timing:
     """Each method once per round, the order rotated by one each round (no method always runs
     after the same neighbour; `offset` shifts the first round's order, e.g. by the prompt chunk);
     round 0 is an untimed warm-up when `warmup`. On a CUDA device the device is synchronised
-    around each timed call."""
+    around each timed call. With `keep_going`, a method that raises is logged and dropped (its
+    error in `Timing.errors`): a long run on a lent GPU keeps its other methods."""
     timing = Timing(seconds={m.name: [] for m in methods})
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for r in range(rounds + warmup):
         shift = (r + offset) % len(methods)
         for method in methods[shift:] + methods[:shift]:
+            if method.name in timing.errors:
+                continue
             sync()
             start = time.perf_counter()
-            timing.outputs[method.name] = run(method)
+            try:
+                timing.outputs[method.name] = run(method)
+            except Exception as e:       # noqa: BLE001 - recorded, the run goes on
+                if not keep_going:
+                    raise
+                logger.exception("%s failed", method.name)
+                timing.errors[method.name] = f"{type(e).__name__}: {e}"
+                del timing.seconds[method.name]
+                continue
             sync()
             if r >= warmup:
                 timing.seconds[method.name].append(time.perf_counter() - start)

@@ -92,3 +92,17 @@ def test_results_resume_only_with_the_same_arguments(tmp_path):
     again = harness.Results(tmp_path / "r", {"a": 1}, lambda p: "")
     assert again.done({"batch": 1}) and not again.done({"batch": 4})
     assert not harness.Results(tmp_path / "r", {"a": 2}, lambda p: "").done({"batch": 1})
+
+
+def test_a_failing_method_is_recorded_and_dropped_only_when_asked():
+    methods = [parse_method(n) for n in ("plain", "fixed:2@draft")]
+
+    def run(method):
+        if method.name == "fixed:2@draft":
+            raise RuntimeError("boom")
+        return 1
+    timing = harness.interleaved(methods, run, rounds=2, keep_going=True)
+    assert timing.errors == {"fixed:2@draft": "RuntimeError: boom"} and len(timing.seconds["plain"]) == 2
+    assert "fixed:2@draft" not in timing.seconds
+    with pytest.raises(RuntimeError):
+        harness.interleaved(methods, run, rounds=1)
