@@ -69,6 +69,35 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
     return cache
 
 
+def new_static_cache(model: torch.nn.Module, capacity: int):
+    """An empty preallocated KV cache of `capacity` slots per row (Transformers' StaticCache,
+    allocated at its first write); refuses layer types that cannot hold masked slots."""
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=capacity)
+    if any(cache.is_sliding) or any(getattr(cache, "is_linear", [])):
+        raise ValueError(
+            f"cache_implementation='static': {type(model).__name__} uses sliding-window or linear attention "
+            "layers, whose static caches hf_specdec cannot roll back by masking slots; use the default cache")
+    return cache
+
+
+def static_forward_kwargs(first_slot: int, width: int, device) -> dict:
+    """The slots a forward of `width` tokens writes in a static cache: `first_slot` on (the cache
+    writes at its own running length, which callers keep equal to first_slot)."""
+    return {"cache_position": torch.arange(first_slot, first_slot + width, device=device)}
+
+
+def set_static_length(cache, length: int) -> None:
+    """Where the next write of every layer of a StaticCache goes (5.24: `cumulative_length`)."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(length)
+
+
+def static_layers(cache) -> list:
+    """The initialised layers of a StaticCache: their `keys` / `values` are [n, heads, capacity, dim]."""
+    return [layer for layer in cache.layers if layer.is_initialized]
+
+
 def repeat_rows(cache: DynamicCache, times: int) -> None:
     """Every row's slots `times` times over, copies next to each other."""
     cache.batch_repeat_interleave(times)

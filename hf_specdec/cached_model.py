@@ -10,6 +10,12 @@ last slots into holes; slots that are holes in every row are cropped off the end
 `fed[b]` is how many of row b's buffer tokens are in the cache; `lengths[b] - fed[b]` is the lag
 that a catch-up forward feeds before anything new (after speculation was off, or another drafter
 was used, the lag is long; in steady state it is the 1-2 tokens of the last step).
+
+Two storages of the same slots: a dynamic cache grows by each forward's width and is cropped; a
+static one (`batch.static_cache`: Transformers' `cache_implementation="static"`) is preallocated
+to a capacity, each forward writes its width at slot `num_slots` on, rolled-back slots at the end
+of every row are stepped back over and other holes stay masked; when it is full its rows are
+compacted (real slots to the front, one gather per layer) or, if that does not free enough, it grows.
 """
 from __future__ import annotations
 
@@ -17,6 +23,9 @@ import torch
 
 from . import _compat
 from .sequences import SequenceBatch
+
+
+STATIC_SLACK = 64   # static caches hold a call's longest row + this many slots (then compact or grow)
 
 
 class CachedModel:
@@ -32,9 +41,16 @@ class CachedModel:
         token, so a prefill does not compute the holes of a left-padded prompt (a joiner, on its
         own, need not have them)."""
         n = len(batch.active)
-        self.cache = _compat.new_cache(self.model)
+        self.static = batch.static_cache
         self.forwards = 0
-        self.slot_mask = torch.zeros(n, 0, dtype=torch.bool, device=self.device)  # [n, slots]
+        if self.static:
+            self.capacity = _round_up(batch.max_length + STATIC_SLACK, STATIC_SLACK)
+            self.cache = _compat.new_static_cache(self.model, self.capacity)
+        else:
+            self.capacity = 0
+            self.cache = _compat.new_cache(self.model)
+        self._slots = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)  # [n, capacity or slots]
+        self.used = 0                                                                      # slots written
         self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
@@ -49,7 +65,12 @@ class CachedModel:
 
     @property
     def num_slots(self) -> int:
-        return self.slot_mask.shape[1]
+        return self.used
+
+    @property
+    def slot_mask(self) -> torch.Tensor:
+        """[n, slots]: whether slot s holds one of row b's tokens (a view: writes go through)."""
+        return self._slots[:, :self.used]
 
     @property
     def holes(self) -> bool:
@@ -97,11 +118,20 @@ class CachedModel:
             self._holes = None
         tokens, real = tokens.to(self.device), real.to(self.device)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
-        self.slot_mask = torch.cat([self.slot_mask, real], dim=1)
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        # no mask without holes, as generate() drops an all-ones one: building and applying it costs
-        # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
-        mask = self.slot_mask if self.holes else None
+        width = tokens.shape[1]
+        if self.static:
+            self.reserve(width)
+            self._slots[:, self.used:self.used + width] = real
+            # the whole capacity is the key length: the mask covers it (unwritten slots are 0)
+            mask = self._slots
+            kwargs.update(_compat.static_forward_kwargs(self.used, width, self.device))
+        else:
+            self._slots = torch.cat([self._slots, real], dim=1)
+            # no mask without holes, as generate() drops an all-ones one: building and applying it costs
+            # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
+            mask = self._slots if self.holes else None
+        self.used += width
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                          use_cache=True, **_compat.cache_kwargs(self.model, self.cache), **kwargs)
         self.num_real += real.sum(1)
@@ -130,9 +160,10 @@ class CachedModel:
         drop = (self.fed - ends).clamp(min=0)                                    # [n]
         if not bool(drop.any()):
             return
-        after = self.slot_mask.flip(1).long().cumsum(1).flip(1)   # [n, slots]: real slots at or after s
-        kill = self.slot_mask & (after <= drop.to(self.device)[:, None])
-        self.slot_mask &= ~kill
+        slots = self.slot_mask
+        after = slots.flip(1).long().cumsum(1).flip(1)             # [n, slots]: real slots at or after s
+        kill = slots & (after <= drop.to(self.device)[:, None])
+        slots &= ~kill
         self._holes = None
         self.num_real -= kill.sum(1)
         self.fed -= drop
@@ -149,19 +180,58 @@ class CachedModel:
         any_used, first_used, from_end = torch.stack([used.any(), used.int().argmax(),
                                                       used.flip(0).int().argmax()]).tolist()
         first_used, last_used = (first_used, len(used) - from_end) if any_used else (0, 0)
+        if self.static:       # step back over the end; holes in front stay masked until a compaction
+            if last_used < self.used:
+                self.used = last_used
+                _compat.set_static_length(self.cache, last_used)
+            self._holes = None
+            return
         _compat.crop(self.cache, self.num_slots - last_used)
         _compat.drop_front(self.cache, first_used)
-        self.slot_mask = self.slot_mask[:, first_used:last_used]
+        self._slots = self._slots[:, first_used:last_used]
+        self.used = self._slots.shape[1]
+        self._holes = None
+
+    def reserve(self, width: int) -> None:
+        """Room for `width` more slots in a static cache (a dynamic one grows anyway): compacted
+        when full (every row's real slots moved to the front, in order), grown when that is not
+        enough. Positions count real slots and keys carry their rotary positions, so moving slots
+        changes no logit. Moving slots invalidates slot indices: a caller that will roll back to
+        `num_slots` reserves the whole speculative region before reading it."""
+        if not self.static or self.used + width <= self.capacity:
+            return
+        real = self.slot_mask                                                     # [n, used]
+        count = real.sum(1)                                                       # [n]
+        keep = int(count.max()) if len(count) else 0                             # a host read, rarely
+        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :keep]   # [n, keep]
+        capacity = max(self.capacity, _round_up(keep + width, STATIC_SLACK))
+        for layer in _compat.static_layers(self.cache):
+            for name in ("keys", "values"):
+                old = getattr(layer, name)                                       # [n, heads, capacity, dim]
+                moved = old.gather(2, order[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[3]))
+                if capacity > old.shape[2]:
+                    old = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                    setattr(layer, name, old)
+                    layer.max_cache_len = capacity
+                old[:, :, :keep] = moved
+        slots = torch.zeros(len(real), capacity, dtype=torch.bool, device=self.device)
+        slots[:, :keep] = torch.arange(keep, device=self.device)[None, :] < count[:, None]
+        self._slots, self.capacity, self.used = slots, capacity, keep
+        _compat.set_static_length(self.cache, keep)
         self._holes = None
 
     def append(self, other: "CachedModel") -> None:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
         with fewer slots gets hole slots on the left, so every row keeps its own positions."""
+        if self.static or other.static:
+            raise ValueError("cache_implementation='static' is not supported by the serving engine (rows joining "
+                             "a running batch); use the default cache")
         width = max(self.num_slots, other.num_slots)
         def pad(mask):
             return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
         _compat.append_rows(self.cache, len(self.fed), other.cache, len(other.fed))
-        self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
+        self._slots = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
+        self.used = width
         self._holes = None
         self.num_real = torch.cat([self.num_real, other.num_real])
         self.fed = torch.cat([self.fed, other.fed])
@@ -170,8 +240,16 @@ class CachedModel:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
         on_device = keep.to(self.device)
-        _compat.select_rows(self.cache, on_device)
-        self.slot_mask, self.num_real = self.slot_mask[on_device], self.num_real[on_device]
+        if self.static:
+            for layer in _compat.static_layers(self.cache):
+                layer.keys, layer.values = layer.keys[on_device], layer.values[on_device]
+        else:
+            _compat.select_rows(self.cache, on_device)
+        self._slots, self.num_real = self._slots[on_device], self.num_real[on_device]
         self._holes = None
         self.fed = self.fed[keep]
         self._crop_holes()       # to no slots at all when no rows are left: joiners may `append`
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step

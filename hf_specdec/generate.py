@@ -32,6 +32,7 @@ from .verify import target_verify
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
 # (token_type_ids, pixel_values, ...) would be silently ignored by our forwards, so it is refused
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV cache is preallocated
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *_compat.CACHE_KWARG_NAMES}
 
 
@@ -63,7 +64,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     # criterion stopped keep producing real tokens until every row has stopped.
     freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
-                          pad_token_id=_compat.pad_token_id(generation_config))
+                          pad_token_id=_compat.pad_token_id(generation_config),
+                          static_cache=generation_config.cache_implementation == "static")
     ensure_profile(policy, model, drafters, input_ids.shape[0])
     loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
     stats = loop.run()
@@ -493,6 +495,9 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
 
 
 def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    if generation_config.cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
+                         f"speculative decoding; use one of {CACHE_IMPLEMENTATIONS}")
     if generation_config.num_beams > 1:
         raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
                          "speculative decoding; use num_beams=1")

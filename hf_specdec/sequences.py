@@ -16,8 +16,9 @@ class SequenceBatch:
     is_view = False
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
-                 max_length: int, pad_token_id: int):
+                 max_length: int, pad_token_id: int, static_cache: bool = False):
         batch, prompt_len = input_ids.shape
+        self.static_cache = static_cache    # models keep preallocated KV caches (cache_implementation="static")
         device = input_ids.device
         self.prompt_len = prompt_len
         self.max_length = max_length

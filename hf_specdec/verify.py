@@ -94,12 +94,14 @@ def target_verify(model: CachedModel, batch: SequenceBatch, start: torch.Tensor,
     width = drafts.shape[1]
     draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
     if head is not None:
+        model.reserve(width)
         spec_start = model.num_slots
         logits = head[:, None]
         if width:
             logits = torch.cat([logits, model.forward(drafts, draft_real, width)], 1)
     else:
         pending, real = model.pending(batch, start)
+        model.reserve(pending.shape[1] + width)
         spec_start = model.num_slots + pending.shape[1]
         if width:
             pending, real = torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1)

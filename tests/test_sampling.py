@@ -188,3 +188,22 @@ def test_seeded_runs_reproduce():
     other = spec(target, [draft], "fixed:3", input_ids=ids, max_new_tokens=20, do_sample=True,
                  spec_generator=torch.Generator().manual_seed(43))
     assert not torch.equal(other, runs[0])
+
+
+STATIC = dict(SAMPLING, cache_implementation="static")
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_distribution_matches_target_on_the_static_path(setup, drafter):
+    """Preallocated caches (cache_implementation="static") hold the same slots another way."""
+    target, draft, prompt, exact = setup
+    d = draft if drafter == "model" else hf_specdec.PromptLookupDrafter(max_ngram=1)
+    tv = 0.5 * (empirical(target, d, prompt, N, seed=6, policy="fixed:2", sampling=STATIC) - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
+
+
+def test_negative_control_broken_sampler_is_caught_on_the_static_path(setup, monkeypatch):
+    target, draft, prompt, exact = setup
+    monkeypatch.setattr(verify_module, "verify", broken_verify)
+    tv = 0.5 * (empirical(target, draft, prompt, N, seed=6, policy="fixed:2", sampling=STATIC) - exact).abs().sum()
+    assert tv > 3 * TV_BOUND, f"a broken acceptance rule went unnoticed (TV {tv:.4f})"

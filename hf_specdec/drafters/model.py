@@ -50,6 +50,7 @@ class ModelDrafter(Drafter):
             tokens, real = self.runner.pending(batch)    # catch up the lag, then draft
             logits = self.runner.forward(tokens, real, keep=1)
         self._head = None
+        self.runner.reserve(k - 1)                       # the drafts' own forwards (slots stay put)
         self._spec_start = self.runner.num_slots
         lengths = [k] * len(rows)                        # on the host: the controller answers in lists
         drafts, probs, seen, confidence = [], [], [], []
