@@ -2,7 +2,6 @@
 StaticCache) written at slot positions, rolled-back slots masked or stepped back over, compacted
 when full. Greedy output stays token-identical to plain generate()."""
 import pytest
-import torch
 from transformers import StaticCache
 
 import hf_specdec
