@@ -1,5 +1,6 @@
 """Decoding methods by name, for the evaluation scripts: `plain` or `<policy>[:k]@<drafter>`,
-either followed by `/static` for Transformers' compiled decoding (`cache_implementation="static"`).
+either followed by `/static` for `cache_implementation="static"` (Transformers: preallocated caches
+and a compiled forward on an accelerator; ours: preallocated caches).
 
     methods = parse_methods("plain,plain/static,hf-assisted:5@draft,fixed:5@draft,auto@draft,hedgespec@pool")
     factory = MethodFactory(target, draft_model=draft, pool=("draft", "pld"))
@@ -45,7 +46,7 @@ STATIC = "/static"
 USAGE = (f"plain or <policy>[:k]@<drafter> with policy one of {', '.join((HF_ASSISTED,) + LENGTH_POLICIES + SELECTORS)} "
          f"(':k' for {', '.join(TAKES_K)}) and drafter one of {', '.join(DRAFTERS)}; "
          f"{', '.join(SELECTORS)} take @pool, {HF_ASSISTED} @draft or @pld, the others a single drafter; "
-         f"'{STATIC}' after plain or {HF_ASSISTED} compiles the target (cache_implementation='static')")
+         f"'{STATIC}' after any of them sets cache_implementation='static'")
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,6 @@ def parse_method(name: str) -> Method:
         raise ValueError(f"unknown method {name!r}; use {USAGE}")
     if policy == HF_ASSISTED and drafter not in ("draft", "pld"):
         raise ValueError(f"method {name!r}: {HF_ASSISTED} runs Transformers' assisted generation with @draft or @pld")
-    if static and policy != HF_ASSISTED:
-        raise ValueError(f"method {name!r}: '{STATIC}' applies to plain and {HF_ASSISTED} (Transformers' own paths)")
     if colon and (policy not in TAKES_K or not k.isdigit() or int(k) < 1):
         raise ValueError(f"method {name!r}: ':k' takes an integer >= 1, for {', '.join(TAKES_K)} only")
     if (policy in SELECTORS) != (drafter == "pool"):
@@ -174,6 +173,6 @@ class MethodFactory:
         if method.policy == HF_ASSISTED:
             return {**static, **self._hf_assisted(method)}
         if method.policy == "auto":
-            return {"assistant_models": [self.drafter(method.drafter)], "spec_policy": "auto"}
+            return {**static, "assistant_models": [self.drafter(method.drafter)], "spec_policy": "auto"}
         kinds = self.pool if method.drafter == "pool" else (method.drafter,)
-        return {"assistant_models": [self.drafter(kind) for kind in kinds], "spec_policy": self.policy(method)}
+        return {**static, "assistant_models": [self.drafter(kind) for kind in kinds], "spec_policy": self.policy(method)}
