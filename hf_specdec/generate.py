@@ -30,9 +30,9 @@ from .verify import target_verify
 
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV cache is preallocated
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
 # (token_type_ids, pixel_values, ...) would be silently ignored by our forwards, so it is refused
-CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV cache is preallocated
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *_compat.CACHE_KWARG_NAMES}
 
 
