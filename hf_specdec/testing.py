@@ -107,23 +107,23 @@ def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: 
     alpha < 1 makes a draft: for a random share 1-alpha of tokens x (drawn with `seed` + 1) the
     input embedding row x is row x+1, so it proposes x+2 there, which the target rejects; per-token
     acceptance is then about alpha. Models built with the same `seed` and size share embeddings."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
     hidden, layers, heads, kv_heads, mlp = QWEN2_SIZES[size]
     config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=mlp, vocab_size=vocab,
                          tie_word_embeddings=False, use_sliding_window=False, max_position_embeddings=4096,
                          bos_token_id=None, eos_token_id=None, pad_token_id=0)
     device = torch.device(device or "cpu")
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(dtype)
+    with torch.device(device):                      # built where it runs, in its dtype: 7B in seconds on a GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
-    freqs = torch.randint(1, vocab, (hidden // 2,), generator=gen)
-    x = torch.arange(vocab)
+    freqs = torch.randint(1, vocab, (hidden // 2,), generator=gen).to(device)
+    x = torch.arange(vocab, device=device)
     angle = (freqs[None, :] * x[:, None]) % vocab * (2 * torch.pi / vocab)        # [vocab, hidden/2]
     rows = torch.cat([angle.cos(), angle.sin()], dim=1)                          # [vocab, hidden]
     embedding = rows.clone()
     if alpha < 1.0:
-        wrong = torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) >= alpha
+        wrong = (torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) >= alpha).to(device)
         embedding[wrong] = rows[(x[wrong] + 1) % vocab]
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(embedding)
