@@ -123,15 +123,15 @@ class CachedModel:
         if self.static:
             self.reserve(width)
             self._slots[:, self.used:self.used + width] = real
-            # the whole capacity is the key length: the mask covers it (unwritten slots are 0)
-            mask = self._slots
             kwargs.update(_compat.static_forward_kwargs(self.used, width, self.device))
+            self.used += width
+            mask = self._slots          # the whole capacity is the key length (unwritten slots are 0)
         else:
             self._slots = torch.cat([self._slots, real], dim=1)
+            self.used += width          # before `holes` reads the mask: the new slots may be holes
             # no mask without holes, as generate() drops an all-ones one: building and applying it costs
             # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
             mask = self._slots if self.holes else None
-        self.used += width
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
                          use_cache=True, **_compat.cache_kwargs(self.model, self.cache), **kwargs)
         self.num_real += real.sum(1)
