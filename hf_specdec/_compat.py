@@ -81,10 +81,29 @@ def new_static_cache(model: torch.nn.Module, capacity: int):
     return cache
 
 
-def static_forward_kwargs(first_slot: int, width: int, device) -> dict:
-    """The slots a forward of `width` tokens writes in a static cache: `first_slot` on (the cache
-    writes at its own running length, which callers keep equal to first_slot)."""
-    return {"cache_position": torch.arange(first_slot, first_slot + width, device=device)}
+def static_cache_position(cache, first_slot: int, width: int, device) -> torch.Tensor:
+    """The slots [width] a forward writes in a static cache: `first_slot` on. (5.24's StaticLayer
+    writes at its own running length, which callers keep equal to first_slot.)"""
+    return torch.arange(first_slot, first_slot + width, device=device)
+
+
+def set_static_tensor(layer, name: str, tensor: torch.Tensor) -> None:
+    """Replace a StaticCache layer's `keys` or `values` (grown, or fewer rows), tagged as
+    Transformers tags its own: a fixed address that compiled graphs (CUDA graphs) read in place."""
+    setattr(layer, name, tensor)
+    torch._dynamo.mark_static_address(tensor)
+
+
+def compile_config(model: torch.nn.Module, generation_config):
+    """The `CompileConfig` a static-cache generate() call compiles `model`'s decoding forwards with,
+    or None where Transformers would not compile (`_valid_auto_compile_criteria`: CUDA-like devices
+    or `compile_config._compile_all_devices`, not `disable_compile`, no quantizer or CPU offload
+    that forbids it). Without a user config: Transformers' default with `fullgraph=True`."""
+    from transformers import CompileConfig, StaticCache
+    probe = StaticCache(config=model.config, max_cache_len=1)
+    if not model._valid_auto_compile_criteria({"cache": probe, "past_key_values": probe}, generation_config):
+        return None
+    return generation_config.compile_config or CompileConfig(fullgraph=True)
 
 
 def set_static_length(cache, length: int) -> None:

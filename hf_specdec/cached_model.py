@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _compat
+from .compiled import compiled_forwards, rows_bucket, width_tier
 from .sequences import SequenceBatch
 
 
@@ -43,13 +44,19 @@ class CachedModel:
         n = len(batch.active)
         self.static = batch.static_cache
         self.forwards = 0
+        # compiled: forwards at tier widths run compiled over `rows` = the batch's bucket (extra rows
+        # are dummies that attend slot 0 only); eager: rows = n, any width
+        self.compiled = compiled_forwards(self.model, batch.compile_config) if batch.compile_config else None
+        self.rows = rows_bucket(n) if self.compiled else n
         if self.static:
             self.capacity = _round_up(batch.max_length + STATIC_SLACK, STATIC_SLACK)
             self.cache = _compat.new_static_cache(self.model, self.capacity)
         else:
             self.capacity = 0
             self.cache = _compat.new_cache(self.model)
-        self._slots = torch.zeros(n, self.capacity, dtype=torch.bool, device=self.device)  # [n, capacity or slots]
+        self._slots = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=self.device)  # [rows, capacity or slots]
+        if self.rows > n:
+            self._slots[n:, 0] = True
         self.used = 0                                                                      # slots written
         self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
@@ -70,7 +77,7 @@ class CachedModel:
     @property
     def slot_mask(self) -> torch.Tensor:
         """[n, slots]: whether slot s holds one of row b's tokens (a view: writes go through)."""
-        return self._slots[:, :self.used]
+        return self._slots[:len(self.num_real), :self.used]
 
     @property
     def holes(self) -> bool:
@@ -111,32 +118,46 @@ class CachedModel:
 
         Returns float32 logits [n, keep, vocab] on the device of `tokens`.
         """
-        out_device = tokens.device
+        out_device, n = tokens.device, tokens.shape[0]
         if real is None:
             real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
         else:
             self._holes = None
         tokens, real = tokens.to(self.device), real.to(self.device)
+        end = tokens.shape[1]
+        tier = width_tier(end) if self.compiled else None
+        if tier is not None:            # a compiled shape: hole slots on the right up to the tier's width
+            tokens, real = _pad_right(tokens, tier), _pad_right(real, tier)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
-        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
         width = tokens.shape[1]
         if self.static:
             self.reserve(width)
-            self._slots[:, self.used:self.used + width] = real
-            kwargs.update(_compat.static_forward_kwargs(self.used, width, self.device))
+            self._slots[:n, self.used:self.used + width] = real
+            cache_position = _compat.static_cache_position(self.cache, self.used, width, self.device)
             self.used += width
             mask = self._slots          # the whole capacity is the key length (unwritten slots are 0)
+            if self.rows > n:           # dummy rows up to the bucket
+                tokens, positions = _pad_rows(tokens, self.rows), _pad_rows(positions, self.rows)
+            if tier is not None:
+                logits = self.compiled(self.model, tokens, mask, positions, cache_position,
+                                       _compat.cache_kwargs(self.model, self.cache))[:, end - keep:end]
+            else:
+                logits = self._eager(tokens, mask, positions, keep, cache_position=cache_position)
         else:
             self._slots = torch.cat([self._slots, real], dim=1)
             self.used += width          # before `holes` reads the mask: the new slots may be holes
             # no mask without holes, as generate() drops an all-ones one: building and applying it costs
             # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
-            mask = self._slots if self.holes else None
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                         use_cache=True, **_compat.cache_kwargs(self.model, self.cache), **kwargs)
+            logits = self._eager(tokens, self._slots if self.holes else None, positions, keep)
         self.num_real += real.sum(1)
         self.forwards += 1
-        return out.logits[:, -keep:].to(device=out_device, dtype=torch.float32)
+        return logits[:n, -keep:].to(device=out_device, dtype=torch.float32)
+
+    def _eager(self, tokens, mask, positions, keep, **kwargs) -> torch.Tensor:
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **_compat.cache_kwargs(self.model, self.cache), **kwargs).logits
 
     def rollback(self, spec_start: int, keep: torch.Tensor) -> None:
         """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]`.
@@ -200,10 +221,10 @@ class CachedModel:
         `num_slots` reserves the whole speculative region before reading it."""
         if not self.static or self.used + width <= self.capacity:
             return
-        real = self.slot_mask                                                     # [n, used]
-        count = real.sum(1)                                                       # [n]
+        real = self._slots[:, :self.used]                                         # [rows, used]
+        count = real.sum(1)                                                       # [rows]
         keep = int(count.max()) if len(count) else 0                             # a host read, rarely
-        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :keep]   # [n, keep]
+        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :keep]   # [rows, keep]
         capacity = max(self.capacity, _round_up(keep + width, STATIC_SLACK))
         for layer in _compat.static_layers(self.cache):
             for name in ("keys", "values"):
@@ -211,7 +232,7 @@ class CachedModel:
                 moved = old.gather(2, order[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[3]))
                 if capacity > old.shape[2]:
                     old = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                    setattr(layer, name, old)
+                    _compat.set_static_tensor(layer, name, old)
                     layer.max_cache_len = capacity
                 old[:, :, :keep] = moved
         slots = torch.zeros(len(real), capacity, dtype=torch.bool, device=self.device)
@@ -238,14 +259,28 @@ class CachedModel:
         self.forwards += other.forwards
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
-        on_device = keep.to(self.device)
+        """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more.
+        A compiled static cache keeps its bucket until the rows fit a smaller one (its tensors stay
+        where the compiled graphs read them); the rows past `len(keep)` are then dummies."""
+        on_device, m = keep.to(self.device), len(keep)
         if self.static:
+            rows = rows_bucket(m) if self.compiled else m
+            index = torch.cat([on_device, on_device.new_zeros(rows - m)])         # [rows]: dummies read row 0
             for layer in _compat.static_layers(self.cache):
-                layer.keys, layer.values = layer.keys[on_device], layer.values[on_device]
+                for name in ("keys", "values"):
+                    picked = getattr(layer, name)[index]
+                    if rows == self.rows:
+                        getattr(layer, name).copy_(picked)
+                    else:
+                        _compat.set_static_tensor(layer, name, picked)
+            self._slots = self._slots[index]
+            self._slots[m:] = False
+            self._slots[m:, 0] = True
+            self.rows = rows
         else:
             _compat.select_rows(self.cache, on_device)
-        self._slots, self.num_real = self._slots[on_device], self.num_real[on_device]
+            self._slots = self._slots[on_device]
+        self.num_real = self.num_real[on_device]
         self._holes = None
         self.fed = self.fed[keep]
         self._crop_holes()       # to no slots at all when no rows are left: joiners may `append`
@@ -253,3 +288,13 @@ class CachedModel:
 
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
+
+
+def _pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, w] -> [n, width] with zeros (False: holes) on the right."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n, w] -> [rows, w] with zero rows below."""
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))

@@ -63,9 +63,10 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     # generate() pads finished rows only when an EOS criterion exists; otherwise rows that a
     # criterion stopped keep producing real tokens until every row has stopped.
     freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    static = generation_config.cache_implementation == "static"
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
-                          pad_token_id=_compat.pad_token_id(generation_config),
-                          static_cache=generation_config.cache_implementation == "static")
+                          pad_token_id=_compat.pad_token_id(generation_config), static_cache=static,
+                          compile_config=_compat.compile_config(model, generation_config) if static else None)
     ensure_profile(policy, model, drafters, input_ids.shape[0])
     loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
     stats = loop.run()

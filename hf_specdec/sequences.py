@@ -16,9 +16,10 @@ class SequenceBatch:
     is_view = False
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
-                 max_length: int, pad_token_id: int, static_cache: bool = False):
+                 max_length: int, pad_token_id: int, static_cache: bool = False, compile_config=None):
         batch, prompt_len = input_ids.shape
         self.static_cache = static_cache    # models keep preallocated KV caches (cache_implementation="static")
+        self.compile_config = compile_config  # and compile their decoding forwards (Transformers' CompileConfig)
         device = input_ids.device
         self.prompt_len = prompt_len
         self.max_length = max_length
