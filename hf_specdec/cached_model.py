@@ -125,7 +125,8 @@ class CachedModel:
             self._holes = None
         tokens, real = tokens.to(self.device), real.to(self.device)
         end = tokens.shape[1]
-        tier = width_tier(end) if self.compiled else None
+        # compiled: into an allocated cache (the first forward allocates it, eager, as a prefill does)
+        tier = width_tier(end) if self.compiled and self.used else None
         if tier is not None:            # a compiled shape: hole slots on the right up to the tier's width
             tokens, real = _pad_right(tokens, tier), _pad_right(real, tier)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
