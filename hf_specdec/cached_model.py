@@ -61,8 +61,10 @@ class CachedModel:
         self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
+        self.host_fed = [0] * n       # the same on the host while the callers say (else None)
         if from_first_real:
             self.fed = batch.real_start(batch.active).to(self.fed.device)
+            self.host_fed = None
 
     def release(self, batch: SequenceBatch) -> None:
         """Drop the cache and its memory; every row catches up from its first token next time."""
@@ -91,6 +93,12 @@ class CachedModel:
         """Tokens each active row has not fed yet [n]; lengths: the active rows' [n], if at hand."""
         return (batch.lengths[batch.active] if lengths is None else lengths) - self.fed
 
+    def host_lag(self, host_lengths: list[int] | None) -> list[int] | None:
+        """`lag` on the host, from the active rows' lengths there; None if either side is unknown."""
+        if host_lengths is None or self.host_fed is None:
+            return None
+        return [length - fed for length, fed in zip(host_lengths, self.host_fed)]
+
     def pending(self, batch: SequenceBatch, end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens each row has not fed yet (up to `end` [n], default its length), right-aligned with
         holes on the left, and mark them fed.
@@ -98,11 +106,16 @@ class CachedModel:
         Returns (tokens [n, width], real [n, width]); width = the largest lag (>= 1 for every row).
         """
         rows = batch.active
+        host_end = batch.active_host_lengths() if end is None else None
         end = batch.lengths[rows] if end is None else end
         lag = end - self.fed
-        width, least_end = torch.stack([lag.max(), end.min()]).tolist()       # one host read
+        host_lag = self.host_lag(host_end)
+        if host_lag is not None:
+            width, least_end = max(host_lag), min(host_end)
+        else:
+            width, least_end = torch.stack([lag.max(), end.min()]).tolist()   # one host read
         near_prompt = least_end - width < batch.prompt_len          # (decoding steps are past every prompt)
-        self.fed = end.clone()
+        self.fed, self.host_fed = end.clone(), host_end
         if width == 1 and not near_prompt:         # steady decoding: each row's last token (fewer ops)
             return batch.tokens[rows, end - 1][:, None], (lag > 0)[:, None]       # rows without lag: a hole
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
@@ -160,8 +173,9 @@ class CachedModel:
         return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                           **_compat.cache_kwargs(self.model, self.cache), **kwargs).logits
 
-    def rollback(self, spec_start: int, keep: torch.Tensor) -> None:
-        """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]`.
+    def rollback(self, spec_start: int, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
+        """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]` (host_keep:
+        the same numbers on the host, if the caller has them: then nothing is read from the device).
 
         The kept tokens are the accepted drafts (already written to the buffer): they count as fed.
         """
@@ -175,7 +189,12 @@ class CachedModel:
         self.slot_mask[:, spec_start:] = spec & ~drop
         self._holes = None
         self.fed += keep.to(self.fed.device)
-        self._crop_holes()
+        if host_keep is None:
+            self.host_fed = None
+        elif self.host_fed is not None:
+            self.host_fed = [fed + kept for fed, kept in zip(self.host_fed, host_keep)]
+        # slots past spec_start + the most kept are holes in every row
+        self._crop_holes(None if host_keep is None else spec_start + max(host_keep, default=0))
 
     def truncate(self, ends: torch.Tensor) -> None:
         """Forget row b's fed tokens from buffer position ends[b] on (its last real slots)."""
@@ -189,12 +208,25 @@ class CachedModel:
         self._holes = None
         self.num_real -= kill.sum(1)
         self.fed -= drop
+        self.host_fed = None
         self._crop_holes()
 
-    def _crop_holes(self) -> None:
+    def _crop_holes(self, holes_from: int | None = None) -> None:
         """Slots that are holes in every row cost attention for nothing: crop them at the end
         (rolled-back drafts) and at the front (the left padding of a longer row that left; in a
-        serving loop it would pile up). Positions count real slots, so nothing else moves."""
+        serving loop it would pile up). Positions count real slots, so nothing else moves.
+        holes_from: a slot from which on every slot is a hole, known on the host: the end is cut
+        there without reading the device (holes before it stay masked)."""
+        if holes_from is not None:
+            if holes_from < self.used:
+                if self.static:
+                    _compat.set_static_length(self.cache, holes_from)
+                else:
+                    _compat.crop(self.cache, self.used - holes_from)
+                    self._slots = self._slots[:, :holes_from]
+                self.used = holes_from
+            self._holes = None
+            return
         used = self.slot_mask.any(0)                                             # [slots]
         if not len(used):
             return
@@ -220,6 +252,8 @@ class CachedModel:
         enough. Positions count real slots and keys carry their rotary positions, so moving slots
         changes no logit. Moving slots invalidates slot indices: a caller that will roll back to
         `num_slots` reserves the whole speculative region before reading it."""
+        if self.compiled and self.used:
+            width = width_tier(width) or width        # what `forward` will write
         if not self.static or self.used + width <= self.capacity:
             return
         real = self._slots[:, :self.used]                                         # [rows, used]
@@ -257,9 +291,10 @@ class CachedModel:
         self._holes = None
         self.num_real = torch.cat([self.num_real, other.num_real])
         self.fed = torch.cat([self.fed, other.fed])
+        self.host_fed = None
         self.forwards += other.forwards
 
-    def select_rows(self, keep: torch.Tensor) -> None:
+    def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more.
         A compiled static cache keeps its bucket until the rows fit a smaller one (its tensors stay
         where the compiled graphs read them); the rows past `len(keep)` are then dummies."""
@@ -284,7 +319,9 @@ class CachedModel:
         self.num_real = self.num_real[on_device]
         self._holes = None
         self.fed = self.fed[keep]
-        self._crop_holes()       # to no slots at all when no rows are left: joiners may `append`
+        self.host_fed = None if host_keep is None or self.host_fed is None else [self.host_fed[i] for i in host_keep]
+        if not self.static:      # (a static cache keeps its slots; holes there cost no memory)
+            self._crop_holes()   # to no slots at all when no rows are left: joiners may `append`
 
 
 def _round_up(n: int, step: int) -> int:

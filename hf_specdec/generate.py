@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -20,7 +21,7 @@ from . import _compat, costmodel
 from .cached_model import CachedModel
 from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
 from .offload import RESIDENT
-from .policies import SpecPolicy, StepContext, auto_policy, resolve_policy
+from .policies import Decision, SpecPolicy, StepContext, auto_policy, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
 from .sequences import SequenceBatch
@@ -92,9 +93,10 @@ class DecodingLoop:
         n = batch.tokens.shape[0]                                            # every row, active or not
         self.limit = torch.full((n,), batch.max_length, dtype=torch.long, device=batch.tokens.device)
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
+        self.host_limit, self.host_stopped = [batch.max_length] * n, [-1] * n                 # the same, on the host
         self.streamed = batch.prompt_len
         self.clock = PhaseClock(self.target.device, events=policy.reads_times)
-        self._late = None                # (record, marks, drafter marks) of a step not yet observed
+        self._late = []                  # (record, marks, drafter marks) of steps not yet observed
         self._controls, self._trims = policy.length.stops_drafting, policy.length.trims_drafts
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
@@ -144,104 +146,133 @@ class DecodingLoop:
         selector.prime({row: gammas[i].tolist() for i, row in enumerate(rows.tolist())})
         return time.perf_counter() - t0
 
-    def context(self, step: int, lengths: torch.Tensor | None = None) -> StepContext:
-        """What the policy sees before step `step`; lengths: the active rows' [n], if at hand.
-        Also sets `least_room` and `longest` (the loop's own use of the same numbers)."""
-        batch, rows = self.batch, self.batch.active
-        lengths = batch.lengths[rows] if lengths is None else lengths
-        # one host sync for every number (a plain step on a small model is ~10 ms: this runs each step)
-        numbers = [(lengths - batch.real_start(rows)).sum(), lengths.max()]
-        drafter_lags = (d.lag(batch, lengths) for d in self.drafters)
-        numbers += [lag.max() for lag in drafter_lags if lag is not None]
-        numbers = torch.cat([self.limit[rows] - lengths, torch.stack(numbers)]).tolist()
-        rooms, (context_tokens, self.longest, *lags) = sorted(numbers[:len(rows)]), numbers[len(rows):]
-        self.least_room = rooms[0] - 1                  # drafts that fit in every row
-        return StepContext(step, len(rows), len(self.drafters), rows.tolist(), context_tokens=context_tokens,
+    def context(self, step: int) -> StepContext:
+        """What the policy sees before step `step`, from the host's copy of the rows' numbers (no
+        device read). Also sets `least_room` and `longest` (the loop's own use of the same numbers)."""
+        batch, rows = self.batch, self.batch.host_active
+        lengths = batch.active_host_lengths()
+        lags = [max(lag, default=0) for lag in (d.host_lag(lengths) for d in self.drafters) if lag is not None]
+        if len(lags) < len(self.drafters):     # a drafter keeps no host copy: one read of its lags
+            lags = [int(lag.max()) for d in self.drafters if (lag := d.lag(batch, batch.lengths[batch.active])) is not None]
+        rooms = sorted(self.host_limit[row] - length for row, length in zip(rows, lengths))
+        self.longest, self.least_room = max(lengths), rooms[0] - 1       # least_room: drafts that fit in every row
+        context_tokens = sum(length - batch.host_real_start[row] for row, length in zip(rows, lengths))
+        return StepContext(step, len(rows), len(self.drafters), list(rows), context_tokens=context_tokens,
                            max_lag=max(lags, default=0), remaining=rooms[-1])
 
     def step(self) -> StepRecord:
-        """One step of the active rows (see the module docstring); the policy observes it."""
-        begin, index = time.perf_counter(), len(self.stats.steps)
-        batch, rows = self.batch, self.batch.active
-        start = batch.lengths[rows]                                       # [n] (indexing copies)
-        ctx = self.context(index, start)
-        self.observe_late()            # the previous step, if its times were left to read (CUDA events)
-        decision, k = self.policy.plan(ctx)
-        batch.reserve(k + 1, self.longest)
-        choice = _per_row_choice(decision.drafter, len(rows), len(self.drafters)) if k else [-1] * len(rows)
-
+        """One step of the active rows: plan -> draft -> verify -> commit -> observe (the module
+        docstring). On the device's side it reads at most once: the accepted counts and stops."""
+        begin = time.perf_counter()
+        plan = self.plan()
         t0, c0 = time.perf_counter(), self.clock.mark()
-        drafted = {}                                                      # drafter -> (start, end) marks
-        if k:
-            proposal = self.propose(choice, k, drafted)
-            room = self.limit[rows] - start - 1                           # drafts that fit
-            draft_lens = torch.minimum(proposal.lengths, room)
-            if self._trims:      # a drafter without confidences (n-gram lookup) is certain: 1.0
-                confidence = proposal.confidence if proposal.confidence is not None else \
-                    torch.ones_like(proposal.tokens, dtype=torch.float)
-                confidence = [c[:n] for c, n in zip(confidence.tolist(), draft_lens.tolist())]
-                wanted = torch.tensor(self.policy.length.verify_lengths(confidence), device=draft_lens.device)
-                draft_lens = torch.minimum(draft_lens, wanted.clamp(min=0))
-            # verify only as many positions as the longest proposal (n-gram drafters may find nothing)
-            width = int(draft_lens.max())
-            draft_tokens = proposal.tokens[:, :width]
-            draft_probs = proposal.probs[:, :width] if proposal.probs is not None else None
-            batch.write(rows, start, draft_tokens)
-        else:
-            draft_tokens = start.new_zeros(len(rows), 0)
-            draft_probs, draft_lens, width = None, torch.zeros_like(start), 0
-
+        drafts, drafted = self.draft(plan)
         c1 = self.clock.mark()
-        verified = target_verify(self.target, batch, start, draft_tokens, draft_lens, draft_probs, self.sampler)
-        result, scores = verified.result, verified.scores                 # scores: [n, k+1, vocab]
-        if len(drafted) == 1:                                             # every row chose it
-            self.drafters[choice[0]].accepted(result.num_accepted)
-        elif drafted:
-            chosen = torch.tensor(choice, device=start.device)
-            for d in drafted:
-                self.drafters[d].accepted(torch.where(chosen == d, result.num_accepted, 0))
+        verified = target_verify(self.target, self.batch, drafts.tokens, drafts.lengths, drafts.probs, self.sampler,
+                                 rollback=False)
         t2, c2 = time.perf_counter(), self.clock.mark()
-
-        # a plain step (no drafts verified) knows its per-row numbers without reading them back
-        if width:
-            proposed, accepted = torch.stack([draft_lens, result.num_accepted]).tolist()   # one host read
-            batch.tokens[rows, start + result.num_accepted] = result.next_tokens
-        else:
-            proposed = accepted = [0] * len(rows)
-            batch.tokens[rows, start] = result.next_tokens
-        emitted, stopped = self.cut_at_stops(rows, start, result.num_accepted + 1, width + 1, self.longest)
-        batch.lengths[rows] = start + emitted
-        emitted = emitted.clamp(min=0).tolist() if stopped else [a + 1 for a in accepted]
-        record = StepRecord(batch_size=len(rows), drafters=choice, k=k, k_chosen=decision.length, proposed=proposed,
-                            accepted=accepted, emitted=emitted, draft_s=0.0, verify_s=0.0, rows=ctx.rows,
-                            step=index, lag=ctx.max_lag)
-        # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
-        keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
+        record, read = self.commit(plan, drafts, verified)
         record.overhead_s = time.perf_counter() - begin - (t2 - t0)
-        offload = self.policy.offload
-        resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
-        if len(batch.active) and resident and self.policy.wants_feedback(index):
-            if keep is not None:
-                start, scores = start[keep], scores[keep]
-            self.feedback(record, start, scores)
         self.stats.steps.append(record)
-        self._late = record, (c0, c1, c2), drafted
-        if not self.clock.events:     # host times: read now; CUDA events: after the next step's first read
+        self._late.append((record, (c0, c1, c2), drafted))
+        if read or not self.clock.events:   # the read waited for every mark so far: reading them waits on nothing
             self.observe_late()
         return record
 
+    def plan(self) -> StepPlan:
+        """The policy's choice for this step, from the host's numbers."""
+        batch = self.batch
+        ctx = self.context(len(self.stats.steps))
+        decision, k = self.policy.plan(ctx)
+        batch.reserve(k + 1, self.longest)
+        choice = _per_row_choice(decision.drafter, ctx.batch_size, len(self.drafters)) if k else [-1] * ctx.batch_size
+        return StepPlan(ctx=ctx, decision=decision, k=k, choice=choice, start=batch.lengths[batch.active],
+                        host_start=batch.active_host_lengths())
+
+    def draft(self, plan: StepPlan) -> tuple[Proposal, dict]:
+        """Each row's drafts, written at its end: the chosen drafter's, cut to the room left and to
+        the policy's trims. Returns them and each drafter's (start, end) clock marks."""
+        batch, rows, start, k = self.batch, self.batch.active, plan.start, plan.k
+        drafted = {}
+        if not k:
+            n = len(plan.choice)
+            return Proposal(start.new_zeros(n, 0), torch.zeros_like(start), host_lengths=[0] * n), drafted
+        proposal = self.propose(plan.choice, k, drafted)
+        lengths = torch.minimum(proposal.lengths, self.limit[rows] - start - 1)          # drafts that fit
+        host_lengths = None
+        if proposal.host_lengths is not None:
+            host_lengths = [min(n, self.host_limit[row] - s - 1)
+                            for n, row, s in zip(proposal.host_lengths, batch.host_active, plan.host_start)]
+        if self._trims:          # a drafter without confidences (n-gram lookup) is certain: 1.0
+            confidence = proposal.confidence if proposal.confidence is not None else \
+                torch.ones_like(proposal.tokens, dtype=torch.float)
+            host_lengths = lengths.tolist() if host_lengths is None else host_lengths
+            confidence = [c[:n] for c, n in zip(confidence.tolist(), host_lengths)]
+            host_lengths = [min(n, max(w, 0)) for n, w in zip(host_lengths, self.policy.length.verify_lengths(confidence))]
+            lengths = torch.tensor(host_lengths, device=start.device)
+        # verify only as many positions as the longest proposal (n-gram drafters may find nothing)
+        width = max(host_lengths) if host_lengths is not None else int(lengths.max())
+        probs = proposal.probs[:, :width] if proposal.probs is not None else None
+        batch.write(rows, start, proposal.tokens[:, :width])
+        return Proposal(proposal.tokens[:, :width], lengths, probs, host_lengths=host_lengths), drafted
+
+    def commit(self, plan: StepPlan, drafts: Proposal, verified) -> tuple[StepRecord, bool]:
+        """Each row keeps its accepted drafts + 1 token, cut at a stop; every cache forgets the
+        rest; finished rows retire; drafters are scored if the selector learns so. One host read
+        (the drafted and accepted counts and the stops), none on a plain step no row can stop in.
+        Returns the step's record and whether it read the device."""
+        batch, rows, start = self.batch, self.batch.active, plan.start
+        result, width = verified.result, drafts.tokens.shape[1]
+        batch.tokens[rows, start + result.num_accepted] = result.next_tokens
+        emitted = result.num_accepted + 1
+        stops = self.stop_lengths(rows, start, emitted, width + 1, self.longest)     # [n] or None
+        read = bool(width) or stops is not None
+        proposed = accepted = [0] * len(plan.choice)
+        host_stops = None
+        if read:
+            numbers = [drafts.lengths, result.num_accepted] + ([stops] if stops is not None else [])
+            proposed, accepted, *host_stops = torch.stack(numbers).tolist()   # the one host read
+        self.target.rollback(verified.spec_start, result.num_accepted, accepted)
+        for d in {c for c in plan.choice if c >= 0}:
+            mine = [c == d for c in plan.choice]
+            if all(mine):                                               # every row chose it
+                self.drafters[d].accepted(result.num_accepted, accepted)
+            else:
+                chosen = torch.tensor(mine, device=start.device)
+                self.drafters[d].accepted(torch.where(chosen, result.num_accepted, 0),
+                                          [a if m else 0 for a, m in zip(accepted, mine)])
+        host_emitted = [a + 1 for a in accepted]
+        stopped = bool(host_stops) and max(host_stops[0]) >= 0
+        if stopped:
+            emitted, host_emitted = self.apply_stops(rows, start, emitted, stops, batch.host_active, host_stops[0],
+                                                     plan.host_start, host_emitted)
+        batch.lengths[rows] = start + emitted
+        for row, s, e in zip(batch.host_active, plan.host_start, host_emitted):
+            batch.host_lengths[row] = s + e
+        ctx = plan.ctx
+        record = StepRecord(batch_size=ctx.batch_size, drafters=plan.choice, k=plan.k, k_chosen=plan.decision.length,
+                            proposed=proposed, accepted=accepted, emitted=[max(e, 0) for e in host_emitted],
+                            draft_s=0.0, verify_s=0.0, rows=ctx.rows, step=ctx.step, lag=ctx.max_lag)
+        # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
+        keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
+        offload = self.policy.offload
+        resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
+        if len(batch.active) and resident and self.policy.wants_feedback(ctx.step):
+            start, scores = (start, verified.scores) if keep is None else (start[keep], verified.scores[keep])
+            self.feedback(record, start, scores)
+        return record, read
+
     def observe_late(self) -> None:
-        """Fill the last step's phase times from its clock marks, then let the policy observe it.
-        With CUDA events this runs one step late, after the next step's first host read, when the
-        marks have completed: reading them never waits on the device, and a policy sees step t-1's
-        outcome at step t (every policy learns from past steps). No-op when nothing is pending."""
-        if self._late is None:
-            return
-        (record, (c0, c1, c2), drafted), self._late = self._late, None
+        """Fill the pending steps' phase times from their clock marks, then let the policy observe
+        them. With CUDA events this runs after a step's host read, which waited for every mark
+        recorded before it: reading them never waits on the device (a plain step that reads nothing
+        is observed after the next one that does). No-op when nothing is pending."""
+        late, self._late = self._late, []
         seconds = self.clock.seconds
-        record.draft_s, record.verify_s = seconds(c0, c1), seconds(c1, c2)
-        record.drafter_s = {d: seconds(*marks) for d, marks in drafted.items()}
-        self.policy.observe(record)
+        for record, (c0, c1, c2), drafted in late:
+            record.draft_s, record.verify_s = seconds(c0, c1), seconds(c1, c2)
+            record.drafter_s = {d: seconds(*marks) for d, marks in drafted.items()}
+            self.policy.observe(record)
 
     def finish(self) -> None:
         """End of the steps: the policy observes the last one (waiting for its marks if need be)."""
@@ -256,19 +287,24 @@ class DecodingLoop:
         batch = self.batch
         batch.refill(rows, input_ids, attention_mask)
         self.limit[rows], self.stopped_at[rows] = limits, -1
-        self.policy.selector.join(rows.tolist())
+        host_rows = rows.tolist()
+        for row, limit in zip(host_rows, limits.tolist()):
+            self.host_limit[row], self.host_stopped[row] = limit, -1
+        self.policy.selector.join(host_rows)
         joining = batch.view(active=rows)
         joiner = CachedModel(self.target.model)
         joiner.reset(joining, from_first_real=True)       # prompts sit left-padded to the batch's width
         logits = joiner.forward(*joiner.pending(joining), keep=1)             # [m, 1, vocab]
         batch.tokens[rows, batch.prompt_len] = self.sampler.pick(self.sampler.scores(joining, logits)[:, 0])
         batch.lengths[rows] += 1                  # the first token is the target's lag: 1, as for all
+        for row in host_rows:
+            batch.host_lengths[row] += 1
         self.cut_at_stops(rows, batch.lengths[rows] - 1, torch.ones_like(rows))
         resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
         for drafter in self.drafters:
             drafter.add_rows(joining, prefill=resident)
         self.target.append(joiner)
-        batch.active = torch.cat([batch.active, rows])
+        batch.set_active(torch.cat([batch.active, rows]), batch.host_active + host_rows)
         self.retire_finished()                    # one-token requests, or a first token that stops
 
     def propose(self, choice: list[int], k: int, marks: dict) -> Proposal:
@@ -310,31 +346,43 @@ class DecodingLoop:
         record.gammas = {row: g[:c] for row, g, c in zip(rows, gammas.tolist(), count)}   # and one more
         record.replay_s = dict(enumerate(seconds))
 
-    def cut_at_stops(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, most: int | None = None,
-                     longest: int | None = None) -> tuple[torch.Tensor, bool]:
-        """Check the stopping criteria after each new token of `rows` [n], as generate() does per
-        step; returns the number of new tokens each row keeps [n] and whether any row stopped.
-        most: the largest `emitted`, if known (saves a host sync); longest: the largest `start`."""
+    def cut_at_stops(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor) -> None:
+        """`stop_lengths` and `apply_stops` for rows whose lengths are already advanced (joiners)."""
+        stops = self.stop_lengths(rows, start, emitted, int(emitted.max()), None)
+        if stops is not None and (host_stops := stops.tolist()) and max(host_stops) >= 0:
+            self.apply_stops(rows, start, emitted, stops, rows.tolist(), host_stops, start.tolist(), emitted.tolist())
+
+    def stop_lengths(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, most: int,
+                     longest: int | None) -> torch.Tensor | None:
+        """Where the stopping criteria stop each of `rows` [n] within its `emitted` [n] new tokens
+        from start[n], as generate() checks them after each token: [n] the length at the stop, -1
+        where none; None when no row can stop (nothing to read). most: the largest `emitted`;
+        longest: the largest `start`, if known."""
         if self._plain_criteria:
-            most = int(emitted.max()) if most is None else most
-            stopped = self._plain_stops(rows, start, emitted, most, longest)
-            if stopped is None:
-                return emitted, False
-        else:
-            stopped = self._stops_by_call(rows, start, emitted)
-            if max(stopped) < 0:             # nothing stopped (most steps): nothing to write or cut
-                return emitted, False
-            stopped = torch.tensor(stopped, device=rows.device)
-        self.stopped_at[rows] = stopped
+            return self._plain_stops(rows, start, emitted, most, longest)
+        return torch.tensor(self._stops_by_call(rows, start, emitted), device=rows.device)
+
+    def apply_stops(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, stops: torch.Tensor,
+                    host_rows: list[int], host_stops: list[int], host_start: list[int],
+                    host_emitted: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Record the stops [n] of `rows` (on the device and the host) and cut what each row keeps
+        (`emitted` [n], on the device and the host); returns what each row keeps, on both."""
+        self.stopped_at[rows] = stops
+        for row, stop in zip(host_rows, host_stops):
+            self.host_stopped[row] = stop
         if self.freeze_finished:
-            emitted = torch.where(stopped >= 0, stopped - start, emitted)
-        elif bool((self.stopped_at >= 0).all()):
+            emitted = torch.where(stops >= 0, stops - start, emitted)
+            host_emitted = [stop - s if stop >= 0 else e for stop, s, e in zip(host_stops, host_start, host_emitted)]
+        elif min(self.host_stopped) >= 0:
             # every row has stopped: all rows end at the latest stop, like generate()'s last step
             # (rows already retired at max_length included)
-            self.limit[:] = int(self.stopped_at.max())
-            self.batch.lengths.clamp_(max=int(self.limit[0]))
+            latest = max(self.host_stopped)
+            self.limit[:], self.host_limit = latest, [latest] * len(self.host_limit)
+            self.batch.lengths.clamp_(max=latest)
+            self.batch.host_lengths = [min(length, latest) for length in self.batch.host_lengths]
             emitted = torch.minimum(emitted, self.limit[rows] - start)
-        return emitted, True
+            host_emitted = [min(e, latest - s) for e, s in zip(host_emitted, host_start)]
+        return emitted, host_emitted
 
     def _stops_by_call(self, rows: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor) -> list[int]:
         """Any criteria: one call per distinct prefix length, grouped in Python. Returns per row the
@@ -358,7 +406,7 @@ class DecodingLoop:
         """generate()'s own criteria (max length, EOS) judged for every new token at once, as the
         calls above would (they see only the length and the last token): a step that emits k + 1
         tokens per row at different lengths would otherwise cost up to (k + 1) x rows criteria calls.
-        None if no row stopped (active rows never had: a stop here retires its row)."""
+        None if no row can stop (no EOS, and no row reaches max_length)."""
         tokens = self.batch.tokens
         reaches_max = longest is None or longest + most >= self._max_length     # a row may reach max_length
         if self._eos is None and not reaches_max:
@@ -372,25 +420,24 @@ class DecodingLoop:
             hit = at_max if hit is None else hit | at_max
         if most > 1:              # every row emits at least one token
             hit &= offsets < emitted[:, None]
-        if not bool(hit.any()):
-            return None
         return torch.where(hit.any(1), start + hit.int().argmax(1) + 1, -1)
 
     def retire_finished(self) -> torch.Tensor:
-        """Drop rows that are done; returns the kept rows' indices into the previous active rows."""
-        batch, rows = self.batch, self.batch.active
-        lengths = batch.lengths[rows]
-        done = lengths >= self.limit[rows]
-        if self.freeze_finished:
-            done |= self.stopped_at[rows] >= 0
-        keep = (~done).nonzero().squeeze(1)
-        if len(keep) == len(rows):
-            return keep
-        batch.clear_scratch(rows[done])       # finished rows read as generate()'s: pad past the end
-        batch.active = rows[keep]
-        self.target.select_rows(keep)        # even to no rows: the engine may append joiners next
+        """Drop rows that are done (judged on the host); returns the kept rows' indices into the
+        previous active rows."""
+        batch, rows, host_rows = self.batch, self.batch.active, self.batch.host_active
+        done = [batch.host_lengths[row] >= self.host_limit[row] or (self.freeze_finished and self.host_stopped[row] >= 0)
+                for row in host_rows]
+        host_keep = [i for i, d in enumerate(done) if not d]
+        if len(host_keep) == len(host_rows):
+            return torch.arange(len(rows), device=rows.device)
+        finished = [row for row, d in zip(host_rows, done) if d]
+        keep, finished_rows = torch.tensor(host_keep + finished, device=rows.device).split([len(host_keep), len(finished)])
+        batch.clear_scratch(finished_rows)    # finished rows read as generate()'s: pad past the end
+        batch.set_active(rows[keep], [host_rows[i] for i in host_keep])
+        self.target.select_rows(keep, host_keep)        # even to no rows: the engine may append joiners next
         for drafter in self.drafters:
-            drafter.select_rows(keep)
+            drafter.select_rows(keep, host_keep)
         return keep
 
     def stream(self, final: bool) -> None:
@@ -405,6 +452,18 @@ class DecodingLoop:
         self.streamed = max(self.streamed, end)
         if final:
             self.streamer.end()
+
+
+@dataclass
+class StepPlan:
+    """What the policy chose for a step, and where the active rows start."""
+
+    ctx: StepContext
+    decision: Decision
+    k: int                           # draft length run (0: a plain step)
+    choice: list[int]                # each active row's drafter (-1: none)
+    start: torch.Tensor              # [n] the active rows' lengths
+    host_start: list[int]            # the same on the host
 
 
 def _pad_proposal(p: Proposal, width: int) -> Proposal:

@@ -34,6 +34,11 @@ class SequenceBatch:
         self._real_start = prompt_len - self.prompt_mask.sum(1)         # [batch]: first real token
         # rows still decoding (indices into the full batch); models hold caches for these only
         self.active = torch.arange(batch, device=device)               # [n_active]
+        # the same numbers on the host, kept by the decoding loop (it learns them from its one read
+        # a step), so that planning a step reads nothing from the device; None where unknown (a view)
+        self.host_lengths: list[int] | None = [prompt_len] * batch
+        self.host_active: list[int] | None = list(range(batch))
+        self.host_real_start: list[int] = self._real_start.tolist()
 
     def view(self, active: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> "SequenceBatch":
         """The same buffer (token writes go through) with other active rows [m] and/or row lengths
@@ -42,10 +47,20 @@ class SequenceBatch:
         out = copy.copy(self)
         out.is_view = True
         if active is not None:
-            out.active = active
+            out.active, out.host_active = active, None
         if lengths is not None:
-            out.lengths = lengths
+            out.lengths, out.host_lengths = lengths, None
         return out
+
+    def set_active(self, active: torch.Tensor, host_active: list[int]) -> None:
+        """The rows still decoding [n], on the device and the host."""
+        self.active, self.host_active = active, host_active
+
+    def active_host_lengths(self) -> list[int] | None:
+        """The active rows' lengths on the host, or None where this batch does not know them."""
+        if self.host_lengths is None or self.host_active is None:
+            return None
+        return [self.host_lengths[row] for row in self.host_active]
 
     @property
     def capacity(self) -> int:
@@ -92,6 +107,9 @@ class SequenceBatch:
         self.prompt_mask[rows, self.prompt_len - width:] = attention_mask.bool()
         self._real_start[rows] = self.prompt_len - self.prompt_mask[rows].sum(1)
         self.lengths[rows] = self.prompt_len
+        self.host_real_start = self._real_start.tolist()
+        for row in rows.tolist():
+            self.host_lengths[row] = self.prompt_len
 
     def output(self) -> torch.LongTensor:
         """[batch, prompt_len + longest row's new tokens], rows ended early padded as generate() does."""

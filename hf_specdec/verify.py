@@ -79,20 +79,22 @@ class Verified:
     result: VerifyResult
     scores: torch.Tensor   # [n, w+1, vocab] processed scores of positions start .. start + w
     logits: torch.Tensor   # [n, w+1, vocab] the verifier's logits of those positions
+    spec_start: int        # the model's first slot of the drafts (`CachedModel.rollback`)
 
 
-def target_verify(model: CachedModel, batch: SequenceBatch, start: torch.Tensor, drafts: torch.Tensor,
-                  draft_lens: torch.Tensor, draft_probs: torch.Tensor | None, sampler: TokenSampler,
-                  head: torch.Tensor | None = None) -> Verified:
+def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor, draft_lens: torch.Tensor,
+                  draft_probs: torch.Tensor | None, sampler: TokenSampler, head: torch.Tensor | None = None,
+                  rollback: bool = True) -> Verified:
     """Verify drafts with `model`: the target of a step, or a hierarchy's intermediate model.
 
-    One forward over each active row's tokens not yet fed up to start[b] (its length) and its
-    drafts [n, w], already written at start[b] (row b proposes its first draft_lens[b]); `verify`;
-    the model's cache keeps each row's accepted drafts and forgets the rest. head: [n, vocab] logits
-    of position start[b], when the model has fed every row up to start: only the drafts are fed.
+    One forward over each active row's tokens not yet fed up to its length and its drafts [n, w],
+    already written at its end (row b proposes its first draft_lens[b]); `verify`; with `rollback`
+    the model's cache keeps each row's accepted drafts and forgets the rest (else the caller does,
+    from `spec_start`, when it has read the counts). head: [n, vocab] logits of the position at
+    each row's end, when the model has fed every row up to there: only the drafts are fed.
     """
     width = drafts.shape[1]
-    draft_real = torch.arange(width, device=start.device)[None, :] < draft_lens[:, None]
+    draft_real = torch.arange(width, device=draft_lens.device)[None, :] < draft_lens[:, None]
     if head is not None:
         model.reserve(width)
         spec_start = model.num_slots
@@ -100,7 +102,7 @@ def target_verify(model: CachedModel, batch: SequenceBatch, start: torch.Tensor,
         if width:
             logits = torch.cat([logits, model.forward(drafts, draft_real, width)], 1)
     else:
-        pending, real = model.pending(batch, start)
+        pending, real = model.pending(batch)
         model.reserve(pending.shape[1] + width)
         spec_start = model.num_slots + pending.shape[1]
         if width:
@@ -108,5 +110,6 @@ def target_verify(model: CachedModel, batch: SequenceBatch, start: torch.Tensor,
         logits = model.forward(pending, real, width + 1)
     scores = sampler.scores(batch, logits)                            # [n, w+1, vocab]
     result = verify(drafts, draft_lens, scores, draft_probs, sampler.do_sample, sampler.generator)
-    model.rollback(spec_start, result.num_accepted)
-    return Verified(result, scores, logits)
+    if rollback:
+        model.rollback(spec_start, result.num_accepted)
+    return Verified(result, scores, logits, spec_start)

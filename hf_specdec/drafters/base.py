@@ -26,6 +26,7 @@ class Proposal:
     lengths: torch.Tensor             # [n] row b proposes tokens[b, :lengths[b]]
     probs: torch.Tensor | None = None  # [n, k, vocab] processed draft distributions; None = point mass
     confidence: torch.Tensor | None = None  # [n, k] drafter's probability of each token; None = 1
+    host_lengths: list[int] | None = None   # `lengths` on the host, where the drafter has them
 
 
 # A length policy's `continue_drafting`: confidences [row][draft] so far -> per row, draft more?
@@ -58,13 +59,19 @@ class Drafter:
         call) and stops rows (or the whole drafting) early."""
         raise NotImplementedError
 
-    def accepted(self, num_accepted: torch.Tensor) -> None:
-        """Row b accepted the first num_accepted[b] tokens of the last proposal."""
+    def accepted(self, num_accepted: torch.Tensor, host_accepted: list[int] | None = None) -> None:
+        """Row b accepted the first num_accepted[b] tokens of the last proposal (host_accepted: the
+        same on the host, when the loop has read them)."""
 
     def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
         """Tokens each active row must feed before it drafts [n], given the rows' lengths [n] (a
         tensor, so the loop reads every row's number in one host sync); None: it never lags."""
         return None
+
+    def host_lag(self, host_lengths: list[int]) -> list[int] | None:
+        """`lag` on the host from the rows' lengths there, without reading the device; None where
+        the drafter does not know it there."""
+        return [0] * len(host_lengths)
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
@@ -85,7 +92,7 @@ class Drafter:
         """Forget whatever was fed past buffer position ends[b] of each active row (a drafter
         inside a hierarchy ran ahead of what the target accepted)."""
 
-    def select_rows(self, keep: torch.Tensor) -> None:
+    def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
     def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:

@@ -167,7 +167,7 @@ class HierarchicalDrafter(Drafter):
             out.scatter_(1, where[..., None].expand(-1, -1, vocab), value)
         return out[:, :width]
 
-    def accepted(self, num_accepted: torch.Tensor) -> None:
+    def accepted(self, num_accepted: torch.Tensor, host_accepted: list[int] | None = None) -> None:
         """The target accepted num_accepted[b] of row b's tokens: both levels forget the rest."""
         self.discard_after(self._start + num_accepted)
         # logits after each accepted token are still right; the next one too, if it was produced
@@ -176,6 +176,10 @@ class HierarchicalDrafter(Drafter):
     def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
         lags = [lag for lag in (self.lower.lag(batch, lengths), self.upper.lag(batch, lengths)) if lag is not None]
         return torch.stack(lags).amax(0) if lags else None
+
+    def host_lag(self, host_lengths: list[int]) -> list[int] | None:
+        lower, upper = self.lower.host_lag(host_lengths), self.upper.host_lag(host_lengths)
+        return None if lower is None or upper is None else list(map(max, lower, upper))
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """The chain proposes from the intermediate's distribution: score that."""
@@ -195,9 +199,9 @@ class HierarchicalDrafter(Drafter):
         self.lower.discard_after(ends)
         self.upper.discard_after(ends)
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        self.lower.select_rows(keep)
-        self.upper.select_rows(keep)
+    def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
+        self.lower.select_rows(keep, host_keep)
+        self.upper.select_rows(keep, host_keep)
 
 
 def chain(models: list, draft_len=4, cycles: int = 2) -> Drafter:

@@ -44,7 +44,7 @@ class ModelDrafter(Drafter):
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         rows = batch.active
         start = batch.lengths[rows]
-        if self._head is not None and int(self.runner.lag(batch).max()) == 0:
+        if self._head is not None and self._caught_up(batch):
             logits = self._head[:, None]                 # caught up by the last replay
         else:
             tokens, real = self.runner.pending(batch)    # catch up the lag, then draft
@@ -77,15 +77,26 @@ class ModelDrafter(Drafter):
         self._fed_drafts = len(drafts) - 1               # the last draft was never fed
         self._known = torch.stack(seen, 1)               # [n, k', vocab] predicts start .. start+k'-1
         self._known_start = start.clone()
-        return Proposal(torch.stack(drafts, 1), torch.tensor(lengths, device=start.device),
-                        torch.stack(probs, 1) if probs else None, torch.stack(confidence, 1))
+        # (without a controller every row drafted k: no host list to copy to the device)
+        lengths_now = torch.tensor(lengths, device=start.device) if controller is not None else \
+            torch.full_like(start, len(drafts))
+        return Proposal(torch.stack(drafts, 1), lengths_now, torch.stack(probs, 1) if probs else None,
+                        torch.stack(confidence, 1), host_lengths=lengths)
+
+    def _caught_up(self, batch) -> bool:
+        lag = self.runner.host_lag(batch.active_host_lengths())
+        return max(lag, default=0) == 0 if lag is not None else int(self.runner.lag(batch).max()) == 0
 
     def lag(self, batch, lengths):
         return self.runner.lag(batch, lengths)
 
-    def accepted(self, num_accepted):
+    def host_lag(self, host_lengths):
+        return self.runner.host_lag(host_lengths)
+
+    def accepted(self, num_accepted, host_accepted=None):
         kept = num_accepted.clamp(max=self._fed_drafts)
-        self.runner.rollback(self._spec_start, kept)
+        host_kept = None if host_accepted is None else [min(a, self._fed_drafts) for a in host_accepted]
+        self.runner.rollback(self._spec_start, kept, host_kept)
         self._known_count = kept + 1     # the logits after each kept draft are still right
         self._spec_start = None
 
@@ -94,10 +105,9 @@ class ModelDrafter(Drafter):
         """This model verifies another drafter's drafts [n, w], written at each active row's end
         (the intermediate of a hierarchy): `target_verify` on its cache, from the logits it holds
         when a replay caught it up."""
-        caught_up = self._head is not None and int(self.runner.lag(batch).max()) == 0
+        caught_up = self._head is not None and self._caught_up(batch)
         head, self._head = self._head if caught_up else None, None
-        return target_verify(self.runner, batch, batch.lengths[batch.active], drafts, draft_lens, draft_probs,
-                             self.sampler, head)
+        return target_verify(self.runner, batch, drafts, draft_lens, draft_probs, self.sampler, head)
 
     def remember(self, logits: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
         """Logits [n, w, vocab] this model computed for positions start[b] .. of each active row, the
@@ -164,8 +174,8 @@ class ModelDrafter(Drafter):
         self._head = torch.cat([self._head, logits[:, 0]]) if caught_up else None
         self._known = self._known_count = self._known_start = None
 
-    def select_rows(self, keep):
-        self.runner.select_rows(keep)
+    def select_rows(self, keep, host_keep=None):
+        self.runner.select_rows(keep, host_keep)
         # logits live on the batch's device, like `keep`
         if self._head is not None:
             self._head = self._head[keep]

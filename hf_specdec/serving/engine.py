@@ -59,7 +59,7 @@ class Engine:
         device = next(self.model.parameters()).device
         empty = torch.full((self.max_batch, self.max_prompt_len), self.pad, device=device)
         batch = SequenceBatch(empty, torch.zeros_like(empty), max_length=1 << 30, pad_token_id=self.pad)
-        batch.active = batch.active[:0]
+        batch.set_active(batch.active[:0], [])
         stops = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
         # (request times are read after each step's host reads of its results: its work is done)
         loop = DecodingLoop(self.model, batch, self.drafters, self.policy, TokenSampler(None, False, None), stops)
