@@ -11,10 +11,12 @@ probability of about alpha. Outputs are known exactly and every cost is the real
 Per cell (target/draft pair, alpha, batch size), methods interleaved (eval/harness.py; round 0 is
 an untimed warm-up, which also compiles the `/static` methods):
   - tokens/s, speed over plain eager `generate()` and over compiled plain (`plain/static`);
-  - the measured forward costs: target at 1 and k+1 tokens, draft at 1 token (eager, over a cache
-    of the prompt); c = draft / target step, v = verification / target step;
+  - the measured forward costs: target at 1 and k+1 tokens, draft at 1 token over a cache of the
+    prompt, eager and (on CUDA) compiled as the static path runs them; c = draft / target step,
+    v = verification / target step;
   - the Leviathan bound (1 - a^(k+1)) / ((1 - a)(k c + v)) with the per-token acceptance a
-    measured on fixed k, and each speculative method's speed over plain as a fraction of it;
+    measured on fixed k, and each speculative method's speed over plain (eager costs) or over
+    plain/static (compiled costs, the /static methods) as a fraction of it;
   - host syncs per step of our loop (CUDA only: operations that made the host wait, counted in an
     extra untimed call) and per token of plain generate();
   - identity: every row of every method against the known continuation.
@@ -34,14 +36,18 @@ from pathlib import Path
 
 import torch
 
+from transformers import GenerationConfig
+
 from hf_specdec import _compat
+from hf_specdec.cached_model import CachedModel
 from hf_specdec.generate import DecodingLoop
+from hf_specdec.sequences import SequenceBatch
 from hf_specdec.testing import QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts
 from harness import Results, generate, interleaved, speed  # eval/ is on sys.path when run as a script
 from methods import MethodFactory, parse_methods
 
 logger = logging.getLogger("bench_gpu")
-METHODS = "plain,plain/static,hf-assisted:5@draft,hf-assisted:5@draft/static,fixed:5@draft,auto@draft"
+METHODS = "plain,plain/static,hf-assisted:4@draft,hf-assisted:4@draft/static,fixed:4@draft/static,auto@draft/static"
 
 
 class SyncCounter:
@@ -93,19 +99,36 @@ def syncs_per_step(target, factory, method, inputs, new_tokens) -> float:
     return counter.syncs / len(steps)
 
 
-def forward_ms(model, ids: torch.Tensor, width: int, reps: int) -> float:
-    """Median milliseconds of one eager forward of `width` new tokens per row over a cache of ids [b, p]."""
+def forward_ms(model, ids: torch.Tensor, width: int, reps: int, compile_config=None) -> float:
+    """Median milliseconds of one forward of `width` new tokens per row over a cache of ids [b, p]:
+    eager over a dynamic cache, or (compile_config) as the static path runs it, compiled at its
+    tier shape (the first calls, which compile and record CUDA graphs, untimed)."""
     sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
     times = []
-    for _ in range(reps + 1):
-        cache = _compat.new_cache(model)
-        model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+    if compile_config is None:
+        for _ in range(reps + 1):
+            cache = _compat.new_cache(model)
+            model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+            sync()
+            start = time.perf_counter()
+            model(input_ids=ids[:, -width:], use_cache=True, **_compat.cache_kwargs(model, cache))
+            sync()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times[1:])
+    batch = SequenceBatch(ids, None, ids.shape[1] + width, 0, static_cache=True, compile_config=compile_config)
+    runner = CachedModel(model)
+    runner.reset(batch)
+    runner.forward(ids, None, keep=1)                      # the prefill allocates the cache
+    nothing = torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+    for _ in range(reps + 3):
+        first = runner.num_slots
         sync()
         start = time.perf_counter()
-        model(input_ids=ids[:, -width:], use_cache=True, **_compat.cache_kwargs(model, cache))
+        runner.forward(ids[:, -width:], None, keep=width)
         sync()
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:])
+        runner.rollback(first, nothing, [0] * len(ids))     # the same slots again next time
+    return 1e3 * statistics.median(times[3:])
 
 
 def leviathan_bound(alpha: float, k: int, c: float, v: float) -> float:
@@ -140,7 +163,7 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
         new = timing.outputs[method.name][:, ids.shape[1]:]
         row = {"tokens_per_s": tokens / vs_plain[method.name]["seconds"], "x_plain": vs_plain[method.name],
                "x_static": vs_static.get(method.name, {}).get("x"),
-               "identical_rows": int((new == expected).all(1).sum()), "rows": batch}
+               "identical_rows": int((new == expected).all(1).sum()), "rows": batch, "x_bound": None}
         if steps[method.name]:
             recs = steps[method.name]
             proposed, accepted = sum(sum(s.proposed) for s in recs), sum(sum(s.accepted) for s in recs)
@@ -154,16 +177,25 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
         rows[method.name] = row
         logger.info("batch %d %s: %.0f tok/s, %.2fx plain", batch, method.name, row["tokens_per_s"],
                     row["x_plain"]["x"])
-    costs = {"target_1": forward_ms(target, ids, 1, args.forward_reps),
-             "target_k1": forward_ms(target, ids, args.k + 1, args.forward_reps),
-             "draft_1": forward_ms(draft, ids, 1, args.forward_reps)}
-    c, v = costs["draft_1"] / costs["target_1"], costs["target_k1"] / costs["target_1"]
-    measured = rows.get(f"fixed:{args.k}@draft", {}).get("alpha")
-    bound = leviathan_bound(measured if measured is not None else alpha, args.k, c, v)
-    for method in methods:                       # speculative methods against what their costs allow
-        rows[method.name]["x_bound"] = rows[method.name]["x_plain"]["x"] / bound if method.policy else None
-    return {"alpha_built": alpha, "batch": batch, "costs_ms": costs, "c": c, "v": v, "alpha": measured,
-            "bound": bound, "methods": rows}
+    measured = next((rows[m.name]["alpha"] for m in methods if m.name.startswith(f"fixed:{args.k}@")), None)
+    a = measured if measured is not None else alpha
+    cell = {"alpha_built": alpha, "batch": batch, "alpha": measured, "methods": rows}
+    # eager costs bound eager methods (over plain); compiled costs bound /static ones (over plain/static)
+    compiled = _compat.compile_config(target, GenerationConfig(cache_implementation="static"))
+    for kind, config, ratio in (("eager", None, "x_plain"), ("static", compiled, "x_static")):
+        if kind == "static" and config is None:
+            continue                             # Transformers compiles on CUDA-like devices only
+        costs = {"target_1": forward_ms(target, ids, 1, args.forward_reps, config),
+                 "target_k1": forward_ms(target, ids, args.k + 1, args.forward_reps, config),
+                 "draft_1": forward_ms(draft, ids, 1, args.forward_reps, config)}
+        c, v = costs["draft_1"] / costs["target_1"], costs["target_k1"] / costs["target_1"]
+        bound = leviathan_bound(a, args.k, c, v)
+        cell[kind] = {"costs_ms": costs, "c": c, "v": v, "bound": bound}
+        for method in methods:                   # speculative methods against what their costs allow
+            if method.policy and method.static == (kind == "static") and rows[method.name].get(ratio) is not None:
+                x = rows[method.name][ratio]
+                rows[method.name]["x_bound"] = (x["x"] if isinstance(x, dict) else x) / bound
+    return cell
 
 
 def markdown(payload) -> str:
@@ -173,14 +205,16 @@ def markdown(payload) -> str:
              f"for the bound; {args['rounds']} interleaved rounds after a warm-up. x plain / x static: median "
              "[min, max] of per-round speed ratios to eager and compiled plain generate(). x bound: x plain over "
              "the Leviathan bound from the measured a, c, v. syncs: host syncs per step (plain and hf-assisted: "
-             "per token). identical: rows equal to the known continuation.", ""]
+             "per token). identical: rows equal to the known continuation. /static methods are bounded by the "
+             "compiled forwards' costs, over plain/static.", ""]
     for cell in payload["cells"]:
-        cost = cell["costs_ms"]
         alpha = f"{cell['alpha']:.2f}" if cell["alpha"] is not None else "-"
-        lines += [f"**{cell['pair']}, built a = {cell['alpha_built']}, batch {cell['batch']}**: forwards target 1 / "
-                  f"{args['k'] + 1} tokens {cost['target_1']:.1f} / {cost['target_k1']:.1f} ms, draft "
-                  f"{cost['draft_1']:.1f} ms (c = {cell['c']:.2f}, v = {cell['v']:.2f}); measured a = {alpha}; "
-                  f"bound {cell['bound']:.2f}x plain", "",
+        costs = "; ".join(f"{kind}: target 1 / {args['k'] + 1} tokens {c['costs_ms']['target_1']:.1f} / "
+                          f"{c['costs_ms']['target_k1']:.1f} ms, draft {c['costs_ms']['draft_1']:.1f} ms (c = "
+                          f"{c['c']:.2f}, v = {c['v']:.2f}), bound {c['bound']:.2f}x plain {kind}"
+                          for kind, c in ((kind, cell[kind]) for kind in ("eager", "static") if kind in cell))
+        lines += [f"**{cell['pair']}, built a = {cell['alpha_built']}, batch {cell['batch']}**: measured a = "
+                  f"{alpha}; forwards {costs}", "",
                   "| method | tokens/s | x plain | x static | x bound | mean k | MAT | syncs | identical |",
                   "|---|---:|---|---|---:|---:|---:|---:|---:|"]
         for name, r in cell["methods"].items():
@@ -212,8 +246,8 @@ def plot(payload, path: Path) -> None:
                    if "x_plain" in c["methods"].get(name, {})]
             ax.bar([i + j * width for i, _ in pts], [y for _, y in pts], width, label=name)
         for i, c in enumerate(cells):
-            ax.hlines(c["bound"], i - width / 2, i + 0.8 - width / 2, colors="black", linestyles="dashed",
-                      label="Leviathan bound" if i == 0 else None)
+            ax.hlines(c["eager"]["bound"], i - width / 2, i + 0.8 - width / 2, colors="black", linestyles="dashed",
+                      label="Leviathan bound (eager costs)" if i == 0 else None)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"batch {c['batch']}" for c in cells])
         ax.set_ylabel("speed / plain eager generate()")
@@ -232,7 +266,7 @@ def main(argv=None):
     parser.add_argument("--alphas", default="0.8", help="built per-token acceptance of the draft")
     parser.add_argument("--batch-sizes", default="1,4,16,64")
     parser.add_argument("--methods", default=METHODS, help="plain first, then eval/methods.py names")
-    parser.add_argument("--k", type=int, default=5, help="draft length of the bound (and of fixed:k)")
+    parser.add_argument("--k", type=int, default=4, help="draft length of the bound (and of fixed:k)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)

@@ -71,14 +71,21 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
 
 def new_static_cache(model: torch.nn.Module, capacity: int):
     """An empty preallocated KV cache of `capacity` slots per row (Transformers' StaticCache,
-    allocated at its first write); refuses layer types that cannot hold masked slots."""
+    allocated at its first write); generate() has refused models with `static_unsupported_layers`."""
     from transformers import StaticCache
-    cache = StaticCache(config=model.config, max_cache_len=capacity)
-    if any(cache.is_sliding) or any(getattr(cache, "is_linear", [])):
-        raise ValueError(
-            f"cache_implementation='static': {type(model).__name__} uses sliding-window or linear attention "
-            "layers, whose static caches hf_specdec cannot roll back by masking slots; use the default cache")
-    return cache
+    return StaticCache(config=model.config, max_cache_len=capacity)
+
+
+def static_unsupported_layers(model: torch.nn.Module) -> str | None:
+    """'sliding-window' / 'linear' if a static cache of `model` has such layers (their slots are
+    overwritten in a ring or kept as a state: a rejected draft cannot be masked out), else None."""
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=1)        # allocates nothing until written
+    if any(cache.is_sliding):
+        return "sliding-window"
+    if any(getattr(cache, "is_linear", [])):
+        return "linear"
+    return None
 
 
 def static_cache_position(cache, first_slot: int, width: int, device) -> torch.Tensor:

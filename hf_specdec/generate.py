@@ -1,11 +1,14 @@
 """The decoding loop: a `custom_generate` callable for Transformers' `generate()` (batch >= 1).
 
-One step (`DecodingLoop.step`), for the rows still decoding:
-  the policy plans (drafter, k) (`SpecPolicy.plan`) -> the drafter proposes (tokens, q) ->
-  `verify.target_verify`: one target forward over each row's pending token + drafts, the shared
-  `verify`, the target's cache rolled back per row -> every row appends its own accepted tokens + 1
-  -> the drafter rolls back its own cache (`Drafter.accepted`) -> stopping criteria cut rows where
-  plain `generate()` would -> the policy observes the `StepRecord`.
+One step (`DecodingLoop.step`) of the rows still decoding:
+  plan    the policy chooses (drafter, k) from the host's copy of the rows' numbers (`SpecPolicy.plan`);
+  draft   the chosen drafters propose (tokens, q), cut to the room left and the policy's trims;
+  verify  `verify.target_verify`: one target forward over each row's pending token + drafts, the
+          shared `verify`;
+  commit  one host read (accepted counts, stops); each row appends its accepted tokens + 1, cut at
+          a stop; the target and the drafters roll their caches back per row; finished rows retire;
+  observe the policy gets the `StepRecord` (its phase times read without waiting on the device).
+The models' side of each phase is `CachedModel`'s, on a dynamic or a static (compiled) cache.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     generation_config = generation_config or model.generation_config
     drafters, policy = check_spec_args(model, assistant_models, spec_policy)
     _check_call(input_ids, generation_config, model_kwargs)
+    _check_cache(model, drafters, generation_config)
     sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)  # may refuse processors
     if spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
@@ -207,8 +211,7 @@ class DecodingLoop:
             confidence = proposal.confidence if proposal.confidence is not None else \
                 torch.ones_like(proposal.tokens, dtype=torch.float)
             host_lengths = lengths.tolist() if host_lengths is None else host_lengths
-            confidence = [c[:n] for c, n in zip(confidence.tolist(), host_lengths)]
-            host_lengths = [min(n, max(w, 0)) for n, w in zip(host_lengths, self.policy.length.verify_lengths(confidence))]
+            host_lengths = self.policy.trim(host_lengths, [c[:n] for c, n in zip(confidence.tolist(), host_lengths)])
             lengths = torch.tensor(host_lengths, device=start.device)
         # verify only as many positions as the longest proposal (n-gram drafters may find nothing)
         width = max(host_lengths) if host_lengths is not None else int(lengths.max())
@@ -250,9 +253,8 @@ class DecodingLoop:
         for row, s, e in zip(batch.host_active, plan.host_start, host_emitted):
             batch.host_lengths[row] = s + e
         ctx = plan.ctx
-        record = StepRecord(batch_size=ctx.batch_size, drafters=plan.choice, k=plan.k, k_chosen=plan.decision.length,
-                            proposed=proposed, accepted=accepted, emitted=[max(e, 0) for e in host_emitted],
-                            draft_s=0.0, verify_s=0.0, rows=ctx.rows, step=ctx.step, lag=ctx.max_lag)
+        record = StepRecord.of_step(ctx, plan.k, plan.decision.length, proposed, accepted,
+                                    emitted=[max(e, 0) for e in host_emitted], drafters=plan.choice)
         # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
         keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
         offload = self.policy.offload
@@ -554,10 +556,30 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
     return drafters
 
 
-def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+def _check_cache(model, drafters: list[Drafter], generation_config: GenerationConfig) -> None:
+    """What the cache settings ask for, checked before any work: each model must be able to hold it."""
     if generation_config.cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
                          f"speculative decoding; use one of {CACHE_IMPLEMENTATIONS}")
+    if generation_config.cache_config:
+        raise ValueError(f"cache_config={generation_config.cache_config!r} is not supported with speculative "
+                         "decoding: hf_specdec sizes every model's cache from max_length itself")
+    if generation_config.cache_implementation != "static":
+        return
+    compile_config = generation_config.compile_config
+    if compile_config is not None and compile_config.dynamic:
+        raise ValueError("compile_config.dynamic=True is not supported with cache_implementation='static': "
+                         "hf_specdec compiles one graph per shape (dynamic=False or None)")
+    for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
+                                                 for m in d.models()]:
+        layers = _compat.static_unsupported_layers(one)
+        if layers:
+            raise ValueError(f"cache_implementation='static': {name} ({type(one).__name__}) has {layers} attention "
+                             "layers, whose static caches hf_specdec cannot roll back by masking slots; use the "
+                             "default cache")
+
+
+def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
     if generation_config.num_beams > 1:
         raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
                          "speculative decoding; use num_beams=1")

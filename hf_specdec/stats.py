@@ -31,6 +31,17 @@ class StepRecord:
     # policy comparing k must pay it too
     overhead_s: float = 0.0
 
+    @classmethod
+    def of_step(cls, ctx, k: int, k_chosen: int, proposed: list[int], accepted: list[int],
+                emitted: list[int] | None = None, drafters: list[int] | None = None, **times) -> "StepRecord":
+        """The record of the step planned from `ctx` (a StepContext): what every executor of a step
+        (the loop, the simulator, a hierarchy's inner cycle, Transformers' assisted loop) observes.
+        emitted: accepted + 1 per row unless cut; drafters: drafter 0 for every row, -1 when k = 0."""
+        return cls(batch_size=ctx.batch_size, drafters=drafters or [0 if k else -1] * ctx.batch_size, k=k,
+                   k_chosen=k_chosen, proposed=proposed, accepted=accepted,
+                   emitted=[a + 1 for a in accepted] if emitted is None else emitted,
+                   rows=list(ctx.rows), step=ctx.step, lag=ctx.max_lag, **{"draft_s": 0.0, "verify_s": 0.0, **times})
+
     @property
     def seconds(self) -> float:
         """The step's wall time, as a policy should weigh it (selector feedback scoring excluded)."""

@@ -40,6 +40,7 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
                           context_tokens=length, remaining=max(self.max_length - length, 0))
         if self.step == 0:
             self.policy.begin(ctx)
+        self.ctx = ctx
         decision = self.policy.choose(ctx)
         self.drafter = decision.drafter if isinstance(decision.drafter, int) else decision.drafter[0]
         self.k_chosen = decision.length
@@ -58,14 +59,12 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         drafts = {j: ids[0, self.start:] for j, (ids, _) in self.candidates.items()}
         proposed = len(drafts.get(self.drafter, ()))
-        record = StepRecord(
-            batch_size=1, drafters=[self.drafter if proposed else -1], k=self.k, k_chosen=self.k_chosen,
-            proposed=[proposed],
-            accepted=[num_matches], emitted=[num_matches + 1], draft_s=self.seconds.get(self.drafter, 0.0),
-            verify_s=time.perf_counter() - self.verify_start, rows=[0],
+        record = StepRecord.of_step(
+            self.ctx, self.k, self.k_chosen, [proposed], [num_matches], drafters=[self.drafter if proposed else -1],
+            draft_s=self.seconds.get(self.drafter, 0.0), verify_s=time.perf_counter() - self.verify_start,
             drafter_s={self.drafter: self.seconds[self.drafter]} if proposed else {},
             gammas={0: self._gammas(drafts, input_ids[0, self.start:])} if self.scoring and drafts else None,
-            replay_s={j: s for j, s in self.seconds.items() if j != self.drafter}, step=self.step)
+            replay_s={j: s for j, s in self.seconds.items() if j != self.drafter})
         self.policy.observe(record)
         self.stats.steps.append(record)
         self.step += 1

@@ -253,3 +253,38 @@ def test_a_step_reads_the_device_a_bounded_number_of_times_whatever_the_batch(mo
                         custom_generate=hf_specdec.generate, assistant_models=drafters, spec_policy=policy)
         per_step[batch] = reads.count / len(steps)
     assert per_step[12] <= bound and per_step[12] <= 1.25 * per_step[1], per_step
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_static_step_reads_the_device_at_most_twice_whatever_the_batch_and_k(monkeypatch, compiled):
+    """cache_implementation="static": planning reads nothing (the loop keeps the rows' numbers on
+    the host), drafting and verifying read nothing, committing reads once (accepted counts and
+    stops) and a step where rows finish copies their indices to the device once more. `compiled`:
+    the tier and bucket padding of compiled forwards (the compiler itself replaced by the plain
+    function: it adds no reads of hf_specdec's)."""
+    from transformers import CompileConfig
+    target, draft = layer_skip_pair(0.05, layers=3, hidden=64, vocab=512)
+    target.generation_config.eos_token_id = 7               # rows stop at EOS, at max length otherwise
+    config = None
+    if compiled:
+        monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+        config = CompileConfig()
+        config._compile_all_devices = True
+    reads, per_step, step = HostReads(), [], DecodingLoop.step
+
+    def counted(loop):
+        reads.count = 0
+        with reads:
+            out = step(loop)
+        per_step.append(reads.count)
+        return out
+    monkeypatch.setattr(DecodingLoop, "step", counted)
+    for batch in (1, 12):
+        ids, mask = prompts(batch, seed=batch, min_len=8, max_len=20, vocab=512)
+        for policy in ("fixed:1", "fixed:4", "fixed:8", "nightjar"):
+            per_step.clear()
+            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                                  custom_generate=hf_specdec.generate, assistant_models=[hf_specdec.ModelDrafter(draft)],
+                                  spec_policy=policy, cache_implementation="static", compile_config=config)
+            assert_same(out, target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False))
+            assert per_step and max(per_step) <= 2, (batch, policy, per_step)

@@ -118,3 +118,26 @@ def test_int8_self_draft_of_a_model_without_linear_layers():
         hf_specdec.self_draft(torch.nn.Sequential(torch.nn.Embedding(8, 4)), "int8")
     with pytest.raises(ValueError, match="kind must be one of"):
         hf_specdec.self_draft(build("llama", 1, seed=0), "int4")
+
+
+def _sliding_window_model():
+    from transformers import MistralConfig, MistralForCausalLM
+    from hf_specdec.testing import VOCAB
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, sliding_window=4)
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("setting,match", [
+    (dict(cache_implementation="offloaded"), "cache_implementation='offloaded'"),
+    (dict(cache_implementation="static", cache_config={"max_cache_len": 64}), "cache_config="),
+    (dict(cache_implementation="static", compile_config="dynamic"), r"compile_config.dynamic=True"),
+    (dict(cache_implementation="static", assistant="sliding"), r"assistant_models\[0\] .*sliding-window"),
+])
+def test_cache_settings_the_static_path_cannot_honour(models, setting, match):
+    from transformers import CompileConfig
+    setting = dict(setting)
+    drafters = [_sliding_window_model()] if setting.pop("assistant", None) else None
+    if setting.get("compile_config") == "dynamic":
+        setting["compile_config"] = CompileConfig(dynamic=True)
+    check_error(models, ValueError, match, drafters=drafters, **setting)

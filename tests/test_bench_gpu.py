@@ -60,7 +60,9 @@ def test_tiny_cpu_run_writes_every_cell_and_resumes(tmp_path, monkeypatch):
     assert set(cells) == {1, 3} and "hf-assisted:3@draft" not in cells[3]["methods"]
     assert set(cells[1]["methods"]) == {"plain", "hf-assisted:3@draft", "fixed:3@draft", "auto@draft"}
     for cell in cells.values():
-        assert all(c > 0 for c in cell["costs_ms"].values()) and cell["bound"] > 0 and 0 < cell["alpha"] <= 1
+        costs = cell["eager"]
+        assert all(c > 0 for c in costs["costs_ms"].values()) and costs["bound"] > 0 and 0 < cell["alpha"] <= 1
+        assert "static" not in cell                              # compiled costs: where Transformers compiles
         for name, row in cell["methods"].items():
             assert row["identical_rows"] == row["rows"] == cell["batch"], name
             assert (row["x_bound"] is None) == (name == "plain")
@@ -75,3 +77,15 @@ def test_bad_arguments_are_refused_before_any_model_is_built(capsys):
     for bad in (["--pairs", "7b"], ["--alphas", "1.5"], ["--methods", "fixed:4@draft"], ["--methods", "nope"]):
         with pytest.raises(SystemExit):
             bench_gpu.main(bad + ["--out", "/nonexistent/x"])
+
+
+def test_compiled_forward_costs_are_measured_on_the_static_path():
+    """On CUDA the bench times forwards as the static path runs them: compiled at a tier shape
+    (here dynamo's eager backend on the CPU), the same slots rewritten each repetition."""
+    from transformers import CompileConfig
+    from hf_specdec import compiled
+    model = circle_model("toy", vocab=1024, dtype=torch.float32)
+    config = CompileConfig(fullgraph=True, backend="eager")
+    ids = torch.randint(1, 1000, (2, 12))
+    assert bench_gpu.forward_ms(model, ids, 5, reps=2, compile_config=config) > 0
+    assert [key[:2] for key in compiled.compiled_forwards(model, config).functions] == [(2, 5)]

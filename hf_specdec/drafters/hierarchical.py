@@ -96,7 +96,9 @@ class HierarchicalDrafter(Drafter):
             if missing <= 0:
                 break
             lengths[rows] = start + produced
-            logits, scores, accepted = self._cycle_once(chain, min(self._inner_k(chain), missing - 1))
+            ctx = self._context(chain)
+            kd = min(max(0, int(self.inner_length.choose(ctx))), missing - 1)
+            logits, scores, accepted = self._cycle_once(chain, ctx, kd)
             steps = torch.arange(logits.shape[1], device=start.device)[None, :]
             columns.append(torch.where(steps <= accepted[:, None], produced[:, None] + steps, -1))
             logits_out.append(logits)
@@ -118,11 +120,8 @@ class HierarchicalDrafter(Drafter):
         return StepContext(self._cycle, len(rows), 1, rows.tolist(),
                            context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()))
 
-    def _inner_k(self, batch: SequenceBatch) -> int:
-        return max(0, int(self.inner_length.choose(self._context(batch))))
-
-    def _cycle_once(self, batch: SequenceBatch, kd: int):
-        """Draft kd tokens per row, verify them with the intermediate, append accepted + 1 to the
+    def _cycle_once(self, batch: SequenceBatch, ctx: StepContext, kd: int):
+        """Draft kd tokens per row (the inner length policy's choice from `ctx`), verify them with the intermediate, append accepted + 1 to the
         buffer. Returns the intermediate's logits and processed scores [n, w+1, vocab] for the
         positions from the row's length on, and the accepted counts [n]."""
         rows = batch.active
@@ -150,10 +149,8 @@ class HierarchicalDrafter(Drafter):
         self.stats.proposed += sum(proposed)
         self.stats.accepted += sum(accepted)
         self.stats.produced += sum(accepted) + len(rows)
-        self.inner_length.observe(StepRecord(batch_size=len(rows), drafters=[0 if kd else -1] * len(rows), k=kd,
-                                             proposed=proposed, accepted=accepted, emitted=[a + 1 for a in accepted],
-                                             draft_s=self.clock.seconds(c0, c1), verify_s=self.clock.seconds(c1, c2),
-                                             rows=rows.tolist()))
+        self.inner_length.observe(StepRecord.of_step(ctx, kd, kd, proposed, accepted, draft_s=self.clock.seconds(c0, c1),
+                                                     verify_s=self.clock.seconds(c1, c2)))
         self._cycle += 1
         return verified.logits, verified.scores, result.num_accepted
 

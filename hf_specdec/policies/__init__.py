@@ -56,6 +56,13 @@ class SpecPolicy:
             k = 0
         return decision, k
 
+    def trim(self, lengths: list[int], confidences: list[list[float]]) -> list[int]:
+        """Drafts each row keeps for verification: a trimming length policy's `verify_lengths`
+        (AdaSpec), else all. confidences: per row, its drafts' confidences (read only if it trims)."""
+        if not self.length.trims_drafts:
+            return lengths
+        return [min(n, max(w, 0)) for n, w in zip(lengths, self.length.verify_lengths(confidences))]
+
     def wants_feedback(self, step: int) -> bool:
         return self.selector.wants_feedback(step)
 

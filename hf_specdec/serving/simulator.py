@@ -180,7 +180,7 @@ class Simulator:
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
         self.memory = memory
-        self._controls, self._trims = self.policy.length.stops_drafting, self.policy.length.trims_drafts
+        self._controls = self.policy.length.stops_drafting
         if self.policy.offload is not None and memory is None:
             raise ValueError("a policy with offload needs memory=MemoryModel(...): offloading acts on memory")
 
@@ -259,9 +259,7 @@ class Simulator:
                     draft.forward_time(context + i * rows, rows) for i in range(1, drafted))
                 proposed = [drafted if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
                             for _ in running]
-                if self._trims:
-                    wanted = self.policy.length.verify_lengths([[self.confidence] * p for p in proposed])
-                    proposed = [min(p, max(0, w)) for p, w in zip(proposed, wanted)]
+                proposed = self.policy.trim(proposed, [[self.confidence] * p for p in proposed])
                 accepted = [min(self._accepted(p), r.request.output_len - r.produced - 1)
                             for p, r in zip(proposed, running)]
             else:
@@ -273,9 +271,8 @@ class Simulator:
             for r, a, e in zip(running, accepted, emitted):
                 r.produced += e
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
-            self.policy.observe(StepRecord(batch_size=rows, drafters=[0 if k else -1] * rows, k=k, k_chosen=decision.length,
-                                           proposed=proposed, accepted=accepted, emitted=emitted, draft_s=draft_s,
-                                           verify_s=verify_s, rows=ctx.rows))
+            self.policy.observe(StepRecord.of_step(ctx, k, decision.length, proposed, accepted, draft_s=draft_s,
+                                                   verify_s=verify_s))
             result.steps.append(RunStep(t, rows, k, sum(emitted)))
             running = self._retire(running, t, result)
             step += 1
