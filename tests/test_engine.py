@@ -139,9 +139,11 @@ def test_pending_leaves_rows_without_lag_as_holes(models):
     runner.reset(batch)
     batch.tokens[:, 4] = 9
     batch.lengths += 1
+    batch.host_lengths = batch.lengths.tolist()                 # (the loop keeps both copies)
     runner.forward(*runner.pending(batch), keep=1)              # both rows fed up to length 5
     batch.tokens[0, 5] = 3
     batch.lengths[0] += 1                                      # row 0 lags one token, row 1 none
+    batch.host_lengths = batch.lengths.tolist()
     tokens, real = runner.pending(batch)
     assert tokens[0].tolist() == [3] and real.tolist() == [[True], [False]]
 
