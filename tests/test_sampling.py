@@ -193,13 +193,26 @@ def test_seeded_runs_reproduce():
 STATIC = dict(SAMPLING, cache_implementation="static")
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookup"])
+@pytest.mark.parametrize("drafter", ["model", "lookup", "model, compiled"])
 def test_distribution_matches_target_on_the_static_path(setup, drafter):
-    """Preallocated caches (cache_implementation="static") hold the same slots another way."""
+    """Preallocated caches (cache_implementation="static") hold the same slots another way;
+    compiled, the forwards run padded to tier widths and a power-of-two bucket of rows."""
+    from transformers import CompileConfig
     target, draft, prompt, exact = setup
-    d = draft if drafter == "model" else hf_specdec.PromptLookupDrafter(max_ngram=1)
-    tv = 0.5 * (empirical(target, d, prompt, N, seed=6, policy="fixed:2", sampling=STATIC) - exact).abs().sum()
+    d = hf_specdec.PromptLookupDrafter(max_ngram=1) if drafter == "lookup" else draft
+    sampling = dict(STATIC)
+    if drafter.endswith("compiled"):
+        sampling["compile_config"] = CompileConfig(fullgraph=True, backend="eager")
+        sampling["compile_config"]._compile_all_devices = True
+    tv = 0.5 * (empirical(target, d, prompt, N, seed=6, policy="fixed:2", sampling=sampling,
+                          max_new_tokens=3) - exact).abs().sum()          # (a third token: room for k = 2)
     assert tv < TV_BOUND, f"TV {tv:.4f}"
+    if "compile_config" in sampling:
+        from hf_specdec.compiled import compiled_forwards
+        # step 0 verifies in the target's prefill (eager); the draft's second token and step 1 run
+        # compiled (12000 rows in a bucket of 16384)
+        shapes = [{key[:2] for key in compiled_forwards(m, sampling["compile_config"]).functions} for m in (draft, target)]
+        assert (16384, 1) in shapes[0] and shapes[1], shapes
 
 
 def test_negative_control_broken_sampler_is_caught_on_the_static_path(setup, monkeypatch):
