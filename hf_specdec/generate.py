@@ -156,7 +156,7 @@ class DecodingLoop:
         batch, rows = self.batch, self.batch.host_active
         lengths = batch.active_host_lengths()
         lags = [max(lag, default=0) for lag in (d.host_lag(lengths) for d in self.drafters) if lag is not None]
-        if len(lags) < len(self.drafters):     # a drafter keeps no host copy: one read of its lags
+        if len(lags) < len(self.drafters):     # a drafter keeps no host copy: read their lags
             lags = [int(lag.max()) for d in self.drafters if (lag := d.lag(batch, batch.lengths[batch.active])) is not None]
         rooms = sorted(self.host_limit[row] - length for row, length in zip(rows, lengths))
         self.longest, self.least_room = max(lengths), rooms[0] - 1       # least_room: drafts that fit in every row
