@@ -54,7 +54,8 @@ class CachedModel:
         else:
             self.capacity = 0
             self.cache = _compat.new_cache(self.model)
-        self._slots = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=self.device)  # [rows, capacity or slots]
+        # [rows, capacity (static) or slots (dynamic)]
+        self._slots = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=self.device)
         if self.rows > n:
             self._slots[n:, 0] = True
         self.used = 0                                                                      # slots written

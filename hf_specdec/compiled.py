@@ -52,7 +52,8 @@ class CompiledForwards:
         key = (*input_ids.shape, attention_mask.shape[1])
         function = self.functions.get(key)
         if function is None:
-            fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, f"forward_{'x'.join(map(str, key))}")
+            name = f"forward_{'x'.join(map(str, key))}"
+            fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, name)
             function = self.functions[key] = torch.compile(fresh, **self.options)
         return function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
 

@@ -157,7 +157,8 @@ class DecodingLoop:
         lengths = batch.active_host_lengths()
         lags = [max(lag, default=0) for lag in (d.host_lag(lengths) for d in self.drafters) if lag is not None]
         if len(lags) < len(self.drafters):     # a drafter keeps no host copy: read their lags
-            lags = [int(lag.max()) for d in self.drafters if (lag := d.lag(batch, batch.lengths[batch.active])) is not None]
+            lags = [int(lag.max()) for d in self.drafters
+                    if (lag := d.lag(batch, batch.lengths[batch.active])) is not None]
         rooms = sorted(self.host_limit[row] - length for row, length in zip(rows, lengths))
         self.longest, self.least_room = max(lengths), rooms[0] - 1       # least_room: drafts that fit in every row
         context_tokens = sum(length - batch.host_real_start[row] for row, length in zip(rows, lengths))
@@ -338,7 +339,9 @@ class DecodingLoop:
             dense = [p.probs if p.probs is not None else
                      torch.nn.functional.one_hot(p.tokens, vocab).float() for p in parts]
             probs = torch.stack(dense)[pick, rows]
-        return Proposal(tokens, lengths, probs, confidence)
+        host = None if any(p.host_lengths is None for p in parts) else \
+            [proposals[d].host_lengths[i] for i, d in enumerate(choice)]
+        return Proposal(tokens, lengths, probs, confidence, host_lengths=host)
 
     def feedback(self, record: StepRecord, start: torch.Tensor, target_scores: torch.Tensor) -> None:
         """Score every drafter on the positions this step verified (full-information feedback)."""

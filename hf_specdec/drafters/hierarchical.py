@@ -121,8 +121,8 @@ class HierarchicalDrafter(Drafter):
                            context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()))
 
     def _cycle_once(self, batch: SequenceBatch, ctx: StepContext, kd: int):
-        """Draft kd tokens per row (the inner length policy's choice from `ctx`), verify them with the intermediate, append accepted + 1 to the
-        buffer. Returns the intermediate's logits and processed scores [n, w+1, vocab] for the
+        """Draft kd tokens per row (the inner length policy's choice from `ctx`), verify them with
+        the intermediate, append accepted + 1 to the buffer. Returns the intermediate's logits and processed scores [n, w+1, vocab] for the
         positions from the row's length on, and the accepted counts [n]."""
         rows = batch.active
         length = batch.lengths[rows]
