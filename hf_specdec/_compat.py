@@ -88,7 +88,7 @@ def static_unsupported_layers(model: torch.nn.Module) -> str | None:
     return None
 
 
-def static_cache_position(cache, first_slot: int, width: int, device) -> torch.Tensor:
+def static_cache_position(first_slot: int, width: int, device) -> torch.Tensor:
     """The slots [width] a forward writes in a static cache: `first_slot` on. (5.24's StaticLayer
     writes at its own running length, which callers keep equal to first_slot.)"""
     return torch.arange(first_slot, first_slot + width, device=device)

@@ -148,7 +148,7 @@ class CachedModel:
         if self.static:
             self.reserve(width)
             self._slots[:n, self.used:self.used + width] = real
-            cache_position = _compat.static_cache_position(self.cache, self.used, width, self.device)
+            cache_position = _compat.static_cache_position(self.used, width, self.device)
             self.used += width
             mask = self._slots          # the whole capacity is the key length (unwritten slots are 0)
             if self.rows > n:           # dummy rows up to the bucket
