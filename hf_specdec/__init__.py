@@ -12,14 +12,14 @@ from .enable import disable, enable
 from .generate import generate
 from .costmodel import CostProfile
 from .policies import (AdaSpec, ConfidenceThreshold, DSDGoodput, FixedDrafter, FixedLength, HedgeSpec, HFHeuristic,
-                       Nightjar, SpecPolicy)
+                       MeasuredGoodput, Nightjar, SpecPolicy)
 from .offload import DraftOffload
 from .stats import SpecStats
 
 # what users call; research baselines and internals stay in their modules (hf_specdec.policies.UCBSpec,
 # hf_specdec.verify.verify, hf_specdec.costmodel.LatencyModel, ...)
 __all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold",
-           "Nightjar", "AdaSpec", "DSDGoodput", "HedgeSpec", "FixedDrafter", "Drafter", "ModelDrafter",
+           "MeasuredGoodput", "Nightjar", "AdaSpec", "DSDGoodput", "HedgeSpec", "FixedDrafter", "Drafter", "ModelDrafter",
            "PromptLookupDrafter", "DatastoreDrafter", "HierarchicalDrafter", "chain", "self_draft", "DraftOffload",
            "SpecStats", "CostProfile"]
 __version__ = "0.1.0"

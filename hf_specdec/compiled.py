@@ -15,10 +15,11 @@ import weakref
 
 import torch
 
-# widths a compiled forward takes: k + 1 for the draft-length tiers k in (0, 1, 2, 4, 6, 8), and
-# 17 for a drafter catching up after speculation was off; a width in between is padded up
-WIDTH_TIERS = (1, 2, 3, 5, 7, 9, 17)
-SPEC_TIERS = tuple(w - 1 for w in WIDTH_TIERS[:-1])     # draft lengths that fill a tier exactly
+from .policies.base import SPEC_TIERS
+
+# widths a compiled forward takes: k + 1 for the draft-length tiers k in SPEC_TIERS, and 17 for a
+# drafter catching up after speculation was off; a width in between is padded up
+WIDTH_TIERS = tuple(k + 1 for k in SPEC_TIERS) + (17,)
 
 
 def width_tier(width: int) -> int | None:

@@ -21,7 +21,7 @@ def test_enable_disable_roundtrip():
     hf_specdec.enable(model)  # idempotent
     assert_same(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8), plain)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, assistant_models=[model],
-                         return_dict_in_generate=True)
+                         spec_policy="fixed:3", return_dict_in_generate=True)
     assert_same(out.sequences, plain)
     assert isinstance(out.spec_stats, hf_specdec.SpecStats)
     assert out.spec_stats.acceptance_rate == 1.0
@@ -50,11 +50,11 @@ def test_output_types_follow_generate():
 
 def test_policy_shortcuts():
     for auto in (resolve_policy(None), resolve_policy("auto")):
-        assert isinstance(auto.length, hf_specdec.Nightjar) and isinstance(auto.selector, hf_specdec.FixedDrafter)
+        assert isinstance(auto.length, hf_specdec.MeasuredGoodput) and isinstance(auto.selector, hf_specdec.FixedDrafter)
     assert isinstance(resolve_policy(None, num_drafters=3).selector, hf_specdec.HedgeSpec)
     assert isinstance(resolve_policy(None, num_drafters=3, full_information=False).selector, hf_specdec.FixedDrafter)
     assert resolve_policy("fixed").length.k == 4
-    named = {"nightjar:5": (hf_specdec.Nightjar, "max_len", 5), "adaspec:6": (hf_specdec.AdaSpec, "max_len", 6),
+    named = {"nightjar:5": (hf_specdec.Nightjar, "max_len", 5), "measured:6": (hf_specdec.MeasuredGoodput, "max_len", 6), "adaspec:6": (hf_specdec.AdaSpec, "max_len", 6),
              "dsd": (hf_specdec.DSDGoodput, "max_len", 8), "hf-heuristic:3": (hf_specdec.HFHeuristic, "k", 3),
              "confidence": (hf_specdec.ConfidenceThreshold, "threshold", 0.4)}
     for name, (cls, attr, value) in named.items():

@@ -95,7 +95,7 @@ def test_where_settings_are_read(pair):
     target.generation_config.num_assistant_tokens = None
     target.generation_config.assistant_confidence_threshold = None
     auto = target.generate(**kw, assistant_model=fresh).spec_stats.policy    # nothing set: "auto"
-    assert type(auto.length).__name__ == "Nightjar"
+    assert type(auto.length).__name__ == "MeasuredGoodput"
     assert target.generate(**kw, assistant_model=fresh).spec_stats.policy is auto   # it learns across calls
     # ours win when both are given
     both = target.generate(**kw, assistant_model=draft, assistant_models=[hf_specdec.PromptLookupDrafter()],

@@ -8,10 +8,12 @@ from .hedgespec import HedgeSpec
 from .learners import AdaNormalHedge, Hedge, NormalHedge
 from .goodput import AdaSpec, DSDGoodput
 from .length import ConfidenceThreshold, FixedLength, HFHeuristic
+from .measured import MeasuredGoodput
 from .nightjar import Nightjar
 from .selection import FixedDrafter
 
 __all__ = ["SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold", "Nightjar", "AdaSpec", "DSDGoodput",
+           "MeasuredGoodput",
            "FixedDrafter", "HedgeSpec", "UCBSpec", "EXP3Spec", "Decision",
            "StepContext", "LengthPolicy", "DrafterSelector", "resolve_policy", "auto_policy", "NormalHedge", "Hedge",
            "AdaNormalHedge"]
@@ -81,7 +83,7 @@ class SpecPolicy:
 
 
 # name -> (policy class, what ":<n>" sets, if anything)
-_LENGTHS = {"fixed": (FixedLength, "k"), "nightjar": (Nightjar, "max_len"), "adaspec": (AdaSpec, "max_len"),
+_LENGTHS = {"fixed": (FixedLength, "k"), "measured": (MeasuredGoodput, "max_len"), "nightjar": (Nightjar, "max_len"), "adaspec": (AdaSpec, "max_len"),
             "dsd": (DSDGoodput, "max_len"), "hf-heuristic": (HFHeuristic, "initial"),
             "confidence": (ConfidenceThreshold, None)}
 _SELECTORS = {"hedgespec": HedgeSpec, "ucb": UCBSpec, "exp3": EXP3Spec}
@@ -89,18 +91,18 @@ NAMES = ("auto", *_LENGTHS, *_SELECTORS)
 
 
 def auto_policy(num_drafters: int = 1, full_information: bool = True) -> SpecPolicy:
-    """What `spec_policy="auto"` (the default) runs: Nightjar's draft length, learned per batch
-    size with 0 (no speculation) among the arms, so it neither loses much where drafting does not
-    pay nor needs a profile: on the real pair it tied fixed k=5 at batch 1, beat it at 2 to 8 and
-    tied plain at 16 (docs/results/bench_generate). Among several drafters HedgeSpec
-    chooses when each can be scored on the verified tokens (full_information), else the first drafts."""
+    """What `spec_policy="auto"` (the default) runs: `MeasuredGoodput`'s draft length, the goodput
+    argmax over step costs measured in the loop itself, 0 (no speculation) among the arms, so it
+    needs no profile and switches itself off where no length pays, from the first call
+    (docs/benchmarks.md, "The default policy"). Among several drafters HedgeSpec chooses when each
+    can be scored on the verified tokens (full_information), else the first drafts."""
     selector = HedgeSpec() if num_drafters > 1 and full_information else None
-    return SpecPolicy(selector=selector, length=Nightjar())
+    return SpecPolicy(selector=selector, length=MeasuredGoodput())
 
 
 def resolve_policy(spec, num_drafters: int = 1, full_information: bool = True) -> SpecPolicy:
     """`spec_policy` argument -> SpecPolicy. Accepts None or "auto" (`auto_policy`), a policy
-    object, or a name: "fixed", "fixed:4", "nightjar[:max_len]", "adaspec[:max_len]",
+    object, or a name: "fixed", "fixed:4", "measured[:max_len]", "nightjar[:max_len]", "adaspec[:max_len]",
     "dsd[:max_len]", "hf-heuristic[:initial]", "confidence", "hedgespec", "ucb", "exp3"."""
     if spec is None or spec == "auto":
         return auto_policy(num_drafters, full_information)
@@ -115,7 +117,7 @@ def resolve_policy(spec, num_drafters: int = 1, full_information: bool = True) -
             return SpecPolicy(selector=_SELECTORS[spec]())
         name, colon, arg = spec.partition(":")
         if name not in _LENGTHS:
-            raise ValueError(f"unknown spec_policy {spec!r}; known: {', '.join(NAMES)} (fixed, nightjar, adaspec, "
+            raise ValueError(f"unknown spec_policy {spec!r}; known: {', '.join(NAMES)} (fixed, measured, nightjar, adaspec, "
                              "dsd and hf-heuristic take ':<n>')")
         cls, param = _LENGTHS[name]
         if not colon:

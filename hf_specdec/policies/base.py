@@ -20,6 +20,10 @@ def probability(value, where: str) -> float:
     return value
 
 
+# draft lengths with a compiled verification of their own (k + 1 tokens): a length policy's arms
+SPEC_TIERS = (0, 1, 2, 4, 6, 8)
+
+
 def pow2_bucket(batch_size: int) -> int:
     """The power of two at or above `batch_size`: batch sizes that share what a policy learns."""
     return 1 << max(batch_size - 1, 0).bit_length()

@@ -27,9 +27,14 @@ policies can be compared at request rates and model sizes this machine cannot ru
     the draft's weights and cache for more requests, and drops the draft's KV cache (every row
     then lags by its whole context); a reload takes `reload_seconds` off the decoding path, with
     speculation held at k = 0 until it lands.
+`Simulator.call` runs one `generate()` call instead (a static batch): its rows start together, the
+draft has not seen their prompts (its first drafts catch them up, as in the loop), and rows leave
+the batch as they finish. Forward costs come from a `CostProfile` or from `RelativeCosts` (a GPU
+regime stated as ratios), with `noise` on every step's seconds.
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -40,6 +45,53 @@ from ..policies import StepContext, resolve_policy
 from ..policies.base import probability
 from ..stats import StepRecord
 from .workload import Request
+
+
+@dataclass(kw_only=True)
+class RelativeCosts:
+    """Forward seconds in a regime stated as ratios (units: anything, e.g. a batch-1 plain step).
+    A target forward of B rows x w tokens costs
+        target_base + target_per_width (w - 1) + target_per_token B w
+    (host-bound eager kernels grow with w but not with B; a replayed graph's compute grows with B w);
+    a draft forward draft_base + draft_per_token B w, or `catch_up` where it is wider than
+    `graph_width` (a compiled loop runs such forwards eager); a prefill of n tokens
+    target_base + prefill_per_token n."""
+
+    target_base: float = 1.0
+    target_per_width: float = 0.0
+    target_per_token: float = 0.0
+    draft_base: float
+    draft_per_token: float = 0.0
+    catch_up: float | None = None
+    graph_width: int = 17
+    prefill_per_token: float = 0.0
+
+    def target(self, rows: int, width: int, context: int) -> float:
+        return self.target_base + self.target_per_width * (width - 1) + self.target_per_token * rows * width
+
+    def draft(self, rows: int, width: int, context: int) -> float:
+        if self.catch_up is not None and width > self.graph_width:
+            return self.catch_up
+        return self.draft_base + self.draft_per_token * rows * width
+
+    def prefill(self, tokens: int) -> float:
+        return self.target_base + self.prefill_per_token * tokens
+
+
+class ProfileCosts:
+    """Forward seconds from a `CostProfile`'s latency models (T(N_context, N_batch_tokens))."""
+
+    def __init__(self, profile: CostProfile, prefill: LatencyModel | None = None):
+        self.profile, self.prefill_model = profile, prefill or profile.target
+
+    def target(self, rows: int, width: int, context: int) -> float:
+        return self.profile.target.forward_time(context, rows * width, wide=width > 1)
+
+    def draft(self, rows: int, width: int, context: int) -> float:
+        return self.profile.draft.forward_time(context, rows * width, wide=width > 1)
+
+    def prefill(self, tokens: int) -> float:
+        return self.prefill_model.forward_time(tokens, tokens)
 
 
 @dataclass
@@ -148,20 +200,23 @@ class _Row:
 
 
 class Simulator:
-    """profile: a CostProfile (target and draft latency models); policy: anything `spec_policy`
+    """profile: a CostProfile (target and draft latency models) or RelativeCosts; policy: anything `spec_policy`
     accepts; acceptance: probability that a draft token is accepted; proposal_rate: probability that
     a row has drafts at a step; max_batch: most running rows;
     prefill: the LatencyModel of prompt prefills (default: the profile's target model, fitted on
     decode steps; `costmodel.profile_prefill` measures one); memory: a `MemoryModel` (None: memory
     never limits admission; required by a policy with offload, whose probe and draft it replaces);
     confidence: every draft's confidence, for policies that read it (None: `acceptance`, a
-    calibrated drafter; a lookup drafter reports 1.0)."""
+    calibrated drafter; a lookup drafter reports 1.0); noise: the standard deviation of a step's
+    log-normal time factor (0: exact times)."""
 
-    def __init__(self, profile: CostProfile, policy, acceptance: float, max_batch: int = 256, seed: int = 0,
-                 prefill: LatencyModel | None = None, proposal_rate: float = 1.0, memory: MemoryModel | None = None,
-                 confidence: float | None = None):
-        if not isinstance(profile, CostProfile):
-            raise TypeError(f"profile must be a CostProfile, got {type(profile).__name__}")
+    def __init__(self, profile: CostProfile | RelativeCosts, policy, acceptance: float, max_batch: int = 256,
+                 seed: int = 0, prefill: LatencyModel | None = None, proposal_rate: float = 1.0,
+                 memory: MemoryModel | None = None, confidence: float | None = None, noise: float = 0.0):
+        if not isinstance(profile, (CostProfile, RelativeCosts)):
+            raise TypeError(f"profile must be a CostProfile or RelativeCosts, got {type(profile).__name__}")
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < 1:
+            raise ValueError(f"noise must be a number in [0, 1), got {noise!r}")
         probability(acceptance, "acceptance")
         probability(proposal_rate, "proposal_rate")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -173,9 +228,11 @@ class Simulator:
         self.confidence = acceptance if confidence is None else confidence
         if memory is not None and not isinstance(memory, MemoryModel):
             raise TypeError(f"memory must be a MemoryModel or None, got {type(memory).__name__}")
-        self.prefill = prefill or profile.target
-        self.profile, self.policy = profile, resolve_policy(policy)
+        self.costs = ProfileCosts(profile, prefill) if isinstance(profile, CostProfile) else profile
+        self.profile, self.policy, self.noise = profile, resolve_policy(policy), noise
         if getattr(self.policy.length, "use_profile", None) and self.policy.length.profile is None:
+            if not isinstance(profile, CostProfile):
+                raise TypeError(f"{self.policy.length!r} weighs a CostProfile; RelativeCosts cannot give one")
             self.policy.length.use_profile(profile)      # AdaSpec() / DSDGoodput(): the simulated pair's
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
@@ -202,11 +259,21 @@ class Simulator:
             n += 1
         return n
 
-    def run(self, requests: list[Request]) -> RunResult:
-        target, draft = self.profile.target, self.profile.draft
+    def call(self, prompt_len: int, output_lens: list[int]) -> RunResult:
+        """One generate() call: len(output_lens) rows of `prompt_len` tokens start together, the
+        draft has not seen their prompts, and each row stops after its output length."""
+        requests = [Request(i, 0.0, prompt_len, n) for i, n in enumerate(output_lens)]
+        if len(requests) > self.max_batch:
+            raise ValueError(f"a call of {len(requests)} rows needs max_batch >= {len(requests)}, got {self.max_batch}")
+        return self.run(requests, draft_prefill=False)
+
+    def run(self, requests: list[Request], draft_prefill: bool = True) -> RunResult:
+        """Serve `requests` as they arrive; draft_prefill: the draft prefills joining prompts (a
+        serving engine), else its first drafts catch them up (generate())."""
+        costs = self.costs
         waiting = sorted(requests, key=lambda r: r.arrival)
         running: list[_Row] = []
-        result, t, step = RunResult(), 0.0, 0
+        result, t, step, carried = RunResult(), 0.0, 0, 0.0
         memory, offload = self.memory, self.policy.offload
         resident = _SimulatedDraft(memory) if memory is not None else None
         if memory is not None:
@@ -232,9 +299,12 @@ class Simulator:
                 joining.append(waiting.pop(0))
             if joining:                                     # prefill: one target forward, first tokens
                 prompts = sum(r.prompt_len for r in joining)
-                t += self.prefill.forward_time(prompts, prompts)
-                if resident is None or resident.state == RESIDENT:   # the draft prefills them too
-                    t += draft.forward_time(prompts, prompts)
+                prefill_s = costs.prefill(prompts)
+                t += prefill_s
+                if not draft_prefill:                       # generate(): step 0 is the prefill, and is timed so
+                    carried += prefill_s
+                if draft_prefill and (resident is None or resident.state == RESIDENT):   # the draft prefills them too
+                    t += costs.draft(1, prompts, prompts)
                     running += [_Row(r, 1, t, 1) for r in joining]
                 else:                                       # offloaded: the draft will catch up all
                     running += [_Row(r, 1, t, r.prompt_len + 1) for r in joining]
@@ -255,8 +325,8 @@ class Simulator:
                     r.lag = r.request.prompt_len + r.produced
             if k:
                 drafted = self._drafted(k, rows)
-                draft_s = draft.forward_time(context, sum(r.lag for r in running), wide=lag > 1) + sum(
-                    draft.forward_time(context + i * rows, rows) for i in range(1, drafted))
+                draft_s = costs.draft(rows, lag, context) + sum(costs.draft(rows, 1, context + i * rows)
+                                                                for i in range(1, drafted))
                 proposed = [drafted if self.proposal_rate == 1 or self.rng.random() < self.proposal_rate else 0
                             for _ in running]
                 proposed = self.policy.trim(proposed, [[self.confidence] * p for p in proposed])
@@ -265,14 +335,17 @@ class Simulator:
             else:
                 draft_s, proposed, accepted = 0.0, [0] * rows, [0] * rows
             widest = max(proposed) + 1                      # every row fed as wide as the longest proposal
-            verify_s = target.forward_time(context, rows * widest, wide=widest > 1)
+            verify_s = costs.target(rows, widest, context)
+            if self.noise:                                  # a real step's time moves from run to run
+                draft_s, verify_s = (x * math.exp(self.rng.gauss(0.0, self.noise)) for x in (draft_s, verify_s))
             t += draft_s + verify_s
             emitted = [a + 1 for a in accepted]
             for r, a, e in zip(running, accepted, emitted):
                 r.produced += e
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
             self.policy.observe(StepRecord.of_step(ctx, k, decision.length, proposed, accepted, draft_s=draft_s,
-                                                   verify_s=verify_s))
+                                                   verify_s=verify_s + carried))
+            carried = 0.0
             result.steps.append(RunStep(t, rows, k, sum(emitted)))
             running = self._retire(running, t, result)
             step += 1

@@ -1,0 +1,204 @@
+"""MeasuredGoodput, the default draft length: DSD's goodput argmax over step costs the loop itself
+measured, with speculation switched off where no length pays. Pure Python.
+
+A step that drafts k tokens per row emits, per row, E(k) = 1 + rho (a + a^2 + ... + a^k) tokens in
+expectation (Leviathan et al.), a the per-token acceptance and rho the share of rows that propose
+(a lookup drafter may find nothing). The policy picks
+    argmax_k  E(k) / S_B(k)      over the arms k in SPEC_TIERS (0: a plain step),
+S_B(k) the seconds of a step at batch size B: the median of the loop's own recent steps of that
+arm (`StepRecord.seconds`: drafting, verification and the loop's bookkeeping, so host work counts
+as it does on a GPU whose eager forwards wait on the host), or, for an arm not played yet, the
+line through the arms that were. The acceptance a is its maximum-likelihood estimate under
+geometric acceptance, accepted / (accepted + rejections), with a prior worth a few drafts and
+older steps discounted (a call's content changes how well the draft guesses).
+
+Why not a profile or a bandit: bare-forward profiles left out the host work that decides eager
+GPU steps, and a bandit per length learns each arm's speed apart, though the arms share one
+acceptance and one cost line; it needs hundreds of steps, a user's first calls have tens.
+
+Exploration, cheap and bounded:
+  - a batch bucket (a power of two of batch sizes) first plays a plain step, then the best
+    drafting arm under its prior costs for two steps (the first of which catches the draft up);
+  - while no length pays, a probe (the best drafting arm, for two steps) runs after 16 plain steps
+    of the bucket, then after 32, 64, ...: probes take a vanishing share of the time, and plain is
+    no dead end (DSD's deadlock at k = 0);
+  - steps that catch a draft up after plain steps (lag > 3) are not an arm's cost: their excess
+    over it, per lagged token, is the switching cost, and switching on from plain must save more
+    over the tokens left (StepContext.remaining) than it costs (Nightjar's C_switch).
+Measured against Nightjar and fixed lengths in docs/benchmarks.md ("The default policy").
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from ..stats import StepRecord
+from .base import SPEC_TIERS, LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
+
+STEADY_LAG = 3     # a drafter's lag between drafting steps is 1 or 2; after one plain step up to 3
+
+
+class _BucketCosts:
+    """Seconds of recent steps per arm k, at the batch sizes of one bucket, and its probing state."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.seconds: dict[int, deque] = {}
+        self.plain_seconds = 0.0  # of the plain steps since the last drafting one
+        self.patience = 16        # plain time before a probe, in probe costs (doubles after each)
+        self.probe_left = 0       # steps of the current probe still to run
+        self.catch_up = None      # (k, seconds, lag x rows) of a catch-up step whose arm was not measured yet
+
+    def add(self, k: int, seconds: float) -> None:
+        self.seconds.setdefault(k, deque(maxlen=self.window)).append(seconds)
+
+    def measured(self) -> dict[int, float]:
+        return {k: statistics.median(s) for k, s in sorted(self.seconds.items())}
+
+    def estimate(self, k: int, prior_slope: float) -> float | None:
+        """S(k): measured, else linear through the measured arms around (or below) k; with one
+        arm measured, a line of `prior_slope` x its plain cost per draft. None: nothing measured."""
+        points = self.measured()
+        if k in points:
+            return points[k]
+        if not points:
+            return None
+        below, above = [j for j in points if j < k], [j for j in points if j > k]
+        if len(points) == 1:
+            (j, s), = points.items()
+            plain = s / (1 + prior_slope * j)
+            return plain * (1 + prior_slope * k)
+        # interpolate between neighbours; beyond the measured range, extend the nearest segment
+        lo, hi = (below[-1], above[0]) if below and above else (below[-2:] if not above else above[:2])
+        slope = (points[hi] - points[lo]) / (hi - lo)
+        return max(points[lo] + slope * (k - lo), 0.0)
+
+
+class MeasuredGoodput(LengthPolicy):
+    """max_len: the longest draft (arms: the tiers of SPEC_TIERS up to it); prior_acceptance and
+    prior_weight: the acceptance guessed before any draft, worth `prior_weight` drafts; memory:
+    per-step discount of older drafts' evidence; prior_slope: a draft's cost (drafting plus
+    verifying it) as a share of a plain step, until a bucket has measured it; window: recent steps
+    per arm whose median is its cost."""
+
+    def __init__(self, max_len: int = 8, prior_acceptance: float = 0.7, prior_weight: float = 2.0,
+                 memory: float = 0.97, prior_slope: float = 0.5, window: int = 16):
+        if non_negative_int(max_len, "MeasuredGoodput(max_len)") < 1:
+            raise ValueError(f"MeasuredGoodput(max_len) must be >= 1, got {max_len}")
+        probability(prior_acceptance, "MeasuredGoodput(prior_acceptance)")
+        probability(memory, "MeasuredGoodput(memory)")
+        for name, value in (("prior_weight", prior_weight), ("prior_slope", prior_slope)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"MeasuredGoodput({name}) must be a number > 0, got {value!r}")
+        if non_negative_int(window, "MeasuredGoodput(window)") < 1:
+            raise ValueError(f"MeasuredGoodput(window) must be >= 1, got {window}")
+        self.max_len, self.memory, self.prior_slope, self.window = max_len, memory, prior_slope, window
+        self.arms = [k for k in SPEC_TIERS if k <= max_len] + ([max_len] if max_len not in SPEC_TIERS else [])
+        # evidence on acceptance: accepted drafts, rejections (a row stopping short of its drafts),
+        # rows that proposed and rows asked to (discounted sums, starting from the prior)
+        self.accepted, self.rejected = prior_acceptance * prior_weight, (1 - prior_acceptance) * prior_weight
+        self.proposing, self.asked = 1.0, 1.0
+        self.buckets: dict[int, _BucketCosts] = {}
+        self.prefill_per_token = 0.0     # seconds per prompt token of the last call's step 0
+        self.catch_up_per_token: deque = deque(maxlen=window)   # a catch-up's excess seconds per row-token
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a row emits in a step of k drafts."""
+        a = self.acceptance
+        return 1 + self.proposing / self.asked * sum(a ** i for i in range(1, k + 1))
+
+    def _costs(self, batch_size: int) -> _BucketCosts:
+        key = pow2_bucket(batch_size)
+        if key not in self.buckets:
+            self.buckets[key] = _BucketCosts(self.window)
+        return self.buckets[key]
+
+    def _slope(self, batch_size: int) -> float:
+        """A draft's cost per plain step's in the nearest bucket that measured both, else the prior."""
+        key = pow2_bucket(batch_size)
+        for other in sorted(self.buckets, key=lambda b: abs(b.bit_length() - key.bit_length())):
+            points = self.buckets[other].measured()
+            drafting = [k for k in points if k]
+            if 0 in points and drafting:
+                k = drafting[-1]
+                return max((points[k] / points[0] - 1) / k, 0.0)
+        return self.prior_slope
+
+    def goodputs(self, batch_size: int) -> dict[int, float]:
+        """Predicted tokens per second (per row) of each arm; {} while nothing is measured."""
+        costs, slope = self._costs(batch_size), self._slope(batch_size)
+        out = {}
+        for k in self.arms:
+            seconds = costs.estimate(k, slope)
+            if seconds is None:
+                return {}
+            out[k] = self.expected_tokens(k) / max(seconds, 1e-12)
+        return out
+
+    def choose(self, ctx: StepContext) -> int:
+        costs = self._costs(ctx.batch_size)
+        if 0 not in costs.seconds:            # a bucket's first steps: the plain cost first
+            return 0
+        goodput = self.goodputs(ctx.batch_size)
+        drafting = max((k for k in goodput if k), key=goodput.get)
+        if costs.probe_left:                  # a probe runs two steps: its catch-up, then a steady one
+            costs.probe_left -= 1
+            return drafting
+        switch = self._catch_up(ctx) if ctx.max_lag > STEADY_LAG else 0.0
+        saved = ctx.remaining * (1 / goodput[0] - 1 / goodput[drafting]) if ctx.remaining else float("inf")
+        if goodput[drafting] > goodput[0] and saved > switch:
+            costs.plain_seconds, costs.patience = 0.0, 16
+            costs.probe_left = int(len(costs.seconds) == 1)    # priors only: measure the arm too
+            return drafting
+        # no length pays (or not enough to catch the draft up): plain, with a probe once the plain
+        # steps since the last drafting one took `patience` times what a probe would lose
+        loss = max(self._estimate(costs, drafting, ctx.batch_size) * (1 - goodput[drafting] / goodput[0]), 0.0)
+        if costs.plain_seconds > costs.patience * (switch + 2 * loss):
+            costs.plain_seconds, costs.patience, costs.probe_left = 0.0, 2 * costs.patience, 1
+            return drafting
+        return 0
+
+    def _estimate(self, costs: _BucketCosts, k: int, batch_size: int) -> float:
+        return costs.estimate(k, self._slope(batch_size))
+
+    def _catch_up(self, ctx: StepContext) -> float:
+        """Seconds a draft lagging ctx.max_lag tokens per row takes to catch up: as measured before
+        per lagged token, else as the target's prefill took per prompt token (a bound: the draft is
+        the smaller model)."""
+        per_token = statistics.median(self.catch_up_per_token) if self.catch_up_per_token else self.prefill_per_token
+        return per_token * ctx.max_lag * ctx.batch_size
+
+    def observe(self, record: StepRecord) -> None:
+        if record.k:
+            d = self.memory
+            proposing = [(p, a) for p, a in zip(record.proposed, record.accepted) if p]
+            self.accepted = d * self.accepted + sum(a for _, a in proposing)
+            self.rejected = d * self.rejected + sum(a < p for p, a in proposing)
+            self.proposing = d * self.proposing + len(proposing)
+            self.asked = d * self.asked + record.batch_size
+        if not sum(record.emitted):
+            return
+        tokens = record.lag * record.batch_size
+        if record.step == 0:                  # step 0 also prefilled the prompt: no arm's cost
+            if record.k == 0 and tokens:
+                self.prefill_per_token = record.seconds / tokens
+            return
+        costs = self._costs(record.batch_size)
+        if record.k and record.lag > STEADY_LAG:     # caught a draft up: its excess is the switching cost
+            costs.catch_up = (record.k, record.seconds, tokens)
+        else:
+            costs.add(record.k, record.seconds)
+            if record.k == 0:
+                costs.plain_seconds += record.seconds
+        if costs.catch_up is not None and len(costs.seconds) > 1:
+            k, seconds, tokens = costs.catch_up
+            costs.catch_up = None
+            excess = seconds - self._estimate(costs, k, record.batch_size)
+            self.catch_up_per_token.append(max(excess, 0.0) / tokens)
+
+    def __repr__(self):
+        return f"MeasuredGoodput(max_len={self.max_len}, acceptance={self.acceptance:.2f})"
