@@ -1,5 +1,6 @@
 """Draft-length policies side by side across batch sizes: plain, fixed k = 0..8, Transformers'
-heuristic and confidence schedules, DSD goodput, AdaSpec and Nightjar.
+heuristic and confidence schedules, the default (MeasuredGoodput: "auto" learning across runs,
+"auto-first" a fresh one every run, i.e. a first call), DSD goodput, AdaSpec and Nightjar.
 
     python eval/bench_lengths.py --envs tiny-exact,tiny-useless,smollm2-bf16 --batch-sizes 1,2,4,8,16 \
         --max-new-tokens 48 --repeats 2 --out results/bench_lengths
@@ -14,7 +15,7 @@ Environments (greedy; every output is checked against plain generate()):
   qwen-coder-onednn  the same in float32 with oneDNN linear layers (for CPUs without bf16 matrix
                   instructions: hf_specdec.embedded.use_onednn_linears)
 Each environment is profiled first (`hf_specdec.costmodel.profile`, the `python -m hf_specdec
-profile` measurement) for AdaSpec, DSD and Nightjar's switching cost. Policy objects live for the
+profile` measurement) for AdaSpec, DSD and Nightjar's switching cost, when one of them runs. Policy objects live for the
 whole environment, so Nightjar learns per batch size across runs, as a server would; before the
 timed runs of a batch size, the learning policies get --learn-runs untimed runs of it. Besides the
 fixed batch sizes, a "changing" run starts --changing-rows rows whose output budgets range from 4
@@ -58,9 +59,12 @@ from report import machine_line, stamp, stamp_line
 
 logger = logging.getLogger("bench_lengths")
 FIXED = range(0, 9)    # fixed:0: plain decoding in our loop
-LEARNING = ("hf-heuristic", "dsd", "adaspec", "nightjar", "nightjar-exact")   # policies whose state improves with use
-# plain-again: plain generate() timed a second time, a control whose ratio to plain is the noise floor
-METHODS = ["plain", "plain-again", *(f"fixed:{k}" for k in FIXED), "hf-heuristic", "hf-confidence", *LEARNING[1:]]
+LEARNING = ("hf-heuristic", "auto", "dsd", "adaspec", "nightjar", "nightjar-exact")   # policies whose state improves with use
+PROFILED = ("dsd", "adaspec", "nightjar", "nightjar-exact")     # policies that weigh the environment's profile
+# plain-again: plain generate() timed a second time, a control whose ratio to plain is the noise floor;
+# auto: the default policy (MeasuredGoodput), learning across runs; auto-first: a fresh one every run (a first call)
+METHODS = ["plain", "plain-again", *(f"fixed:{k}" for k in FIXED), "hf-heuristic", "hf-confidence", "auto-first",
+           *LEARNING[1:]]
 
 
 class RowBudget(StoppingCriteria):
@@ -121,14 +125,19 @@ def env_profile(target, drafter, batch_sizes, context) -> CostProfile:
     return profile(target, getattr(drafter, "model", None), batch_sizes, **grid)
 
 
-def policies(prof: CostProfile, max_len: int) -> dict:
+def policies(prof: CostProfile | None, max_len: int) -> dict:
+    """Policy objects by method (None: plain generate()); a callable: a fresh policy per run.
+    prof: None leaves out the methods that weigh one."""
     out = {"plain": None, "plain-again": None}
     out.update({f"fixed:{k}": hf_specdec.FixedLength(k) for k in FIXED})
     out.update({"hf-heuristic": hf_specdec.HFHeuristic(), "hf-confidence": hf_specdec.ConfidenceThreshold(),
-                "dsd": hf_specdec.DSDGoodput(prof, max_len=max_len), "adaspec": hf_specdec.AdaSpec(prof, max_len=max_len),
-                "nightjar": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof),
-                # the paper's one bandit per batch size, against the default's one per power of two
-                "nightjar-exact": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, buckets="exact")})
+                "auto": hf_specdec.MeasuredGoodput(), "auto-first": hf_specdec.MeasuredGoodput})
+    if prof is not None:
+        out.update({"dsd": hf_specdec.DSDGoodput(prof, max_len=max_len),
+                    "adaspec": hf_specdec.AdaSpec(prof, max_len=max_len),
+                    "nightjar": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof),
+                    # the paper's one bandit per batch size, against the default's one per power of two
+                    "nightjar-exact": hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, buckets="exact")})
     return out
 
 
@@ -137,7 +146,7 @@ def run(model, drafter, policy, inputs, args, criteria=None):
     if criteria is not None:
         kwargs["stopping_criteria"] = StoppingCriteriaList([criteria])
     if policy is not None:
-        kwargs.update(assistant_models=[drafter], spec_policy=policy)
+        kwargs.update(assistant_models=[drafter], spec_policy=policy() if isinstance(policy, type) else policy)
     start = time.perf_counter()
     out = model.generate(**kwargs)
     return out, time.perf_counter() - start
@@ -197,12 +206,14 @@ def run_env(name, args, save=lambda results: None, done: dict | None = None) -> 
     # profiled at every batch size timed, and at the powers of two the changing run shrinks through
     shrinking = {b for _, rows in changing for b in (rows, *(2 ** i for i in range(rows.bit_length())))}
     # a resumed run keeps the profile it measured, so every batch size's policies weigh the same one
-    if done and "switch" in done.get("profile", {}):
+    if not any(m in PROFILED for m in args.methods):
+        prof = None                 # the profile alone takes minutes on a CPU
+    elif done and "switch" in done.get("profile", {}):
         prof = CostProfile.from_dict(done["profile"])
     else:
         prof = env_profile(model, drafter, sorted({*args.batch_sizes, *shrinking}), make_inputs(1)["input_ids"].shape[1])
     methods = {m: p for m, p in policies(prof, args.max_len).items() if m in args.methods}
-    results = {"batches": {}, **(done or {}), "profile": asdict(prof)}
+    results = {"batches": {}, **(done or {}), "profile": asdict(prof) if prof else {}}
     save(results)                 # the profile alone takes minutes on a CPU: a resumed run reuses it
     for batch, rows in [(b, b) for b in args.batch_sizes] + changing:
         if str(batch) in results["batches"]:
@@ -364,7 +375,7 @@ def plot(all_results: dict, path: Path) -> None:
         if cols == 1:
             continue
         changing = batches.get("changing", {}).get("methods", {})
-        shown = [m for m in ("nightjar", "adaspec", "dsd", "hf-heuristic") if m in changing]
+        shown = [m for m in ("auto", "auto-first", "nightjar", "adaspec", "dsd", "hf-heuristic") if m in changing]
         for m in shown:
             row[1].plot([s[2] for s in changing[m]["k_over_time"]], label=m, drawstyle="steps-post")
         if shown:
