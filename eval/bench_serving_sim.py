@@ -76,9 +76,9 @@ def offload_policies(prof: CostProfile, max_len: int, memory: MemoryModel) -> di
                "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0),
                "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=max_len)}
     out = {}
-    for name, make in lengths.items():
-        out[name] = lambda make=make: hf_specdec.SpecPolicy(length=make())
-        out[f"{name}+offload"] = lambda make=make: hf_specdec.SpecPolicy(length=make(), offload=offload())
+    for name, make in lengths.items():       # (length policy, its DraftOffload or None)
+        out[name] = lambda make=make: (make(), None)
+        out[f"{name}+offload"] = lambda make=make: (make(), offload())
     return out
 
 
@@ -127,13 +127,13 @@ def main(argv=None):
             continue
         rows = {}
         for method, make in offload_policies(prof, args.max_len, memory).items():
-            policy = make()
+            policy, offload = make()
             res = Simulator(prof, policy, args.acceptance, max_batch=args.max_batch, seed=args.seed,
-                            memory=memory).run(requests)
+                            memory=memory, draft_offload=offload).run(requests)
             rows[method] = {k: round(v, 5) for k, v in res.summary(args.slo_tpot).items()}
             rows[method]["max_batch_seen"] = max(s.batch_size for s in res.steps)
-            if policy.offload is not None:
-                rows[method]["offloads"] = sum(e.action == "offload" for e in policy.offload.events)
+            if offload is not None:
+                rows[method]["offloads"] = sum(e.action == "offload" for e in offload.events)
         results["offload"][name] = rows
         logger.info("%s with memory: %s", name, {m: r["tokens_per_s"] for m, r in rows.items()})
     out = Path(args.out)

@@ -19,7 +19,7 @@ from . import assisted, transformers_loop
 from .generate import check_spec_args
 from .generate import generate as spec_generate
 
-_SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator")
+_SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator", "draft_offload")
 _ATTR = "_hf_specdec_original_generate"
 _LOOP_ATTR = "_hf_specdec_loop"       # which loop enable() routed generate() to
 LOOPS = ("hf_specdec", "transformers")

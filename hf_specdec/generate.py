@@ -23,7 +23,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from . import _compat, costmodel
 from .cached_model import CachedModel
 from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
-from .offload import RESIDENT
+from .offload import RESIDENT, DraftOffload, as_offload
 from .policies import Decision, SpecPolicy, StepContext, auto_policy, resolve_policy
 from .sampling import TokenSampler
 from .scoring import score_drafters
@@ -44,7 +44,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
              stopping_criteria: StoppingCriteriaList | None = None,
              generation_config: GenerationConfig | None = None, synced_gpus: bool = False,
              streamer=None, assistant_models=None, spec_policy=None,
-             spec_generator: torch.Generator | None = None, spec_streamer=None, **model_kwargs):
+             spec_generator: torch.Generator | None = None, spec_streamer=None, draft_offload=None, **model_kwargs):
     """Speculative decoding as `model.generate(custom_generate=hf_specdec.generate, ...)`.
 
     assistant_models: list of Transformers causal LMs (same vocabulary as `model`) or Drafters.
@@ -52,12 +52,15 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
         None or "auto" (`hf_specdec.policies.auto_policy`; in this loop one per target and drafters, kept
         across calls).
     spec_generator: torch.Generator for every random draw (default: torch's global RNG).
+    draft_offload: a `hf_specdec.DraftOffload` (True: one with its defaults) that moves the draft
+        models off the accelerator while the policy has speculation off and memory is tight.
     spec_streamer: a streamer (Transformers does not forward `streamer` to custom callables;
         `hf_specdec.enable` maps `streamer=` here for you).
     Returns generate()'s output; `return_dict_in_generate=True` adds `.spec_stats`.
     """
     generation_config = generation_config or model.generation_config
     drafters, policy = check_spec_args(model, assistant_models, spec_policy)
+    offload = as_offload(draft_offload)
     _check_call(input_ids, generation_config, model_kwargs)
     _check_cache(model, drafters, generation_config)
     sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)  # may refuse processors
@@ -73,7 +76,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
                           pad_token_id=_compat.pad_token_id(generation_config), static_cache=static,
                           compile_config=_compat.compile_config(model, generation_config) if static else None)
     ensure_profile(policy, model, drafters, input_ids.shape[0])
-    loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer)
+    loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer,
+                        offload)
     stats = loop.run()
     sequences = batch.output()
     if generation_config.return_dict_in_generate:
@@ -87,11 +91,14 @@ class DecodingLoop:
     steps. The loop owns `batch.active`; rows leave it when they finish (`retire_finished`).
 
     model: the target; freeze_finished: rows stop at their own stop (EOS) rather than waiting for
-    the call's last; streamer: gets completed columns."""
+    the call's last; streamer: gets completed columns; offload: a DraftOffload, asked before each
+    step whether the drafts may run (it may move them off the device while speculation is off)."""
 
     def __init__(self, model, batch: SequenceBatch, drafters: list[Drafter], policy: SpecPolicy,
-                 sampler: TokenSampler, stopping_criteria, freeze_finished: bool = True, streamer=None):
+                 sampler: TokenSampler, stopping_criteria, freeze_finished: bool = True, streamer=None,
+                 offload: DraftOffload | None = None):
         self.batch, self.target, self.drafters, self.policy = batch, CachedModel(model), drafters, policy
+        self.offload = offload
         self.sampler, self.stopping_criteria = sampler, stopping_criteria
         self.freeze_finished, self.streamer = freeze_finished, streamer
         n = batch.tokens.shape[0]                                            # every row, active or not
@@ -99,9 +106,8 @@ class DecodingLoop:
         self.stopped_at = torch.full((n,), -1, dtype=torch.long, device=batch.tokens.device)  # length at stop
         self.host_limit, self.host_stopped = [batch.max_length] * n, [-1] * n                 # the same, on the host
         self.streamed = batch.prompt_len
-        self.clock = PhaseClock(self.target.device, events=policy.reads_times)
+        self.clock = PhaseClock(self.target.device)
         self._late = []                  # (record, marks, drafter marks) of steps not yet observed
-        self._controls, self._trims = policy.length.stops_drafting, policy.length.trims_drafts
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
         self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
         eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
@@ -115,8 +121,8 @@ class DecodingLoop:
         self.target.reset(batch)
         for drafter in self.drafters:
             drafter.begin(batch, self.sampler)
-        if self.policy.offload is not None:
-            self.policy.offload.begin(self.drafters, batch)
+        if self.offload is not None:
+            self.offload.begin(self.drafters, batch)
         names = [d.name for d in self.drafters]
         self.stats = SpecStats(drafter_names=[n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)],
                                policy=self.policy)
@@ -189,6 +195,8 @@ class DecodingLoop:
         batch = self.batch
         ctx = self.context(len(self.stats.steps))
         decision, k = self.policy.plan(ctx)
+        if self.offload is not None and not self.offload.step(ctx, k):   # the drafts are off the device
+            k = 0
         batch.reserve(k + 1, self.longest)
         choice = _per_row_choice(decision.drafter, ctx.batch_size, len(self.drafters)) if k else [-1] * ctx.batch_size
         return StepPlan(ctx=ctx, decision=decision, k=k, choice=choice, start=batch.lengths[batch.active],
@@ -208,7 +216,7 @@ class DecodingLoop:
         if proposal.host_lengths is not None:
             host_lengths = [min(n, self.host_limit[row] - s - 1)
                             for n, row, s in zip(proposal.host_lengths, batch.host_active, plan.host_start)]
-        if self._trims:          # a drafter without confidences (n-gram lookup) is certain: 1.0
+        if self.policy.length.verify_lengths is not None:   # a drafter without confidences (n-gram lookup) is certain: 1.0
             confidence = proposal.confidence if proposal.confidence is not None else \
                 torch.ones_like(proposal.tokens, dtype=torch.float)
             host_lengths = lengths.tolist() if host_lengths is None else host_lengths
@@ -258,8 +266,7 @@ class DecodingLoop:
                                     emitted=[max(e, 0) for e in host_emitted], drafters=plan.choice)
         # a row finishes at a stop or at its limit, which it reaches only with more than `least_room` tokens
         keep = self.retire_finished() if stopped or width + 1 > self.least_room else None
-        offload = self.policy.offload
-        resident = offload is None or offload.state == RESIDENT           # scoring runs every drafter
+        resident = self.offload is None or self.offload.state == RESIDENT     # scoring runs every drafter
         if len(batch.active) and resident and self.policy.wants_feedback(ctx.step):
             start, scores = (start, verified.scores) if keep is None else (start[keep], verified.scores[keep])
             self.feedback(record, start, scores)
@@ -303,7 +310,7 @@ class DecodingLoop:
         for row in host_rows:
             batch.host_lengths[row] += 1
         self.cut_at_stops(rows, batch.lengths[rows] - 1, torch.ones_like(rows))
-        resident = self.policy.offload is None or self.policy.offload.state == RESIDENT
+        resident = self.offload is None or self.offload.state == RESIDENT
         for drafter in self.drafters:
             drafter.add_rows(joining, prefill=resident)
         self.target.append(joiner)
@@ -317,10 +324,7 @@ class DecodingLoop:
         proposals = {}
         for d in sorted(set(choice)):
             start = self.clock.mark()
-            if self._controls:
-                proposals[d] = self.drafters[d].propose(self.batch, k, self.policy.length.continue_drafting)
-            else:
-                proposals[d] = self.drafters[d].propose(self.batch, k)
+            proposals[d] = self.drafters[d].propose(self.batch, k, self.policy.length.continue_drafting)
             marks[d] = start, self.clock.mark()
         if len(proposals) == 1:
             return proposals[choice[0]]

@@ -201,6 +201,15 @@ class OffloadEvent:
     seconds: float         # wall time of the action on the decoding path
 
 
+def as_offload(value) -> "DraftOffload | None":
+    """The `draft_offload` argument: a DraftOffload, True (one with its defaults) or None/False."""
+    if value is True:
+        return DraftOffload()
+    if value not in (None, False) and not isinstance(value, DraftOffload):
+        raise TypeError(f"draft_offload must be a hf_specdec.DraftOffload, True or None, got {type(value).__name__}")
+    return value or None
+
+
 @dataclass
 class DraftOffload:
     """Offload the draft models when speculation is off and memory is tight; reload when load drops.
@@ -258,7 +267,8 @@ class DraftOffload:
         return cuda_free_bytes(device) if device is not None and device.type == "cuda" else None
 
     def step(self, ctx: StepContext, length: int) -> bool:
-        """Called before each step with the length policy's choice; True if drafts may run."""
+        """Called by the loop before each step with the policy's draft length (0: speculation off,
+        the moment to offload under memory pressure); True if drafts may run."""
         if not self.hooks:
             return True
         self.steps += 1

@@ -13,11 +13,10 @@ import torch
 
 
 class PhaseClock:
-    """device: where the models run; events: record CUDA events (a policy reads the times), else
-    marks are host times, which on an accelerator exclude the work still queued."""
+    """device: where the models run: on CUDA a mark is an event; elsewhere a host time."""
 
-    def __init__(self, device: torch.device, events: bool):
-        self.events = events and device.type == "cuda"
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
 
     def mark(self):
         if not self.events:

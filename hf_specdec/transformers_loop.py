@@ -93,11 +93,11 @@ def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, Spe
     policy = resolve_policy(spec_policy, len(drafters))
     # a confidence stop is Transformers' generators' own; any other per-token hook they cannot ask
     threshold = policy.length.threshold if isinstance(policy.length, (ConfidenceThreshold, HFHeuristic)) else None
-    if threshold is None and (policy.length.stops_drafting or policy.length.trims_drafts):
+    if threshold is None and (policy.length.continue_drafting or policy.length.verify_lengths):
         raise ValueError(f"{policy.length!r} stops or trims drafts per token, which Transformers' loop cannot ask; "
                          "use it with the batched loop (enable(model)) or pick a per-step length policy")
-    if policy.offload is not None or kwargs.get("spec_generator") is not None:
-        raise ValueError("offload and spec_generator need the batched loop (enable(model))")
+    if kwargs.get("draft_offload") or kwargs.get("spec_generator") is not None:
+        raise ValueError("draft_offload and spec_generator need the batched loop (enable(model))")
     inputs = kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("input_features")))
     if inputs is not None and getattr(inputs, "shape", (1,))[0] != 1:
         raise ValueError(f"Transformers' assisted loop runs batch 1, got a batch of {inputs.shape[0]}; "

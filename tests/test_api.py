@@ -118,15 +118,12 @@ def test_public_surface_is_what_users_call():
     assert callable(verify)
 
 
-@pytest.mark.parametrize("policy,reads_times", [
-    ("fixed:3", False), ("hf-heuristic:3", False), ("confidence", False), (hf_specdec.HedgeSpec(), False),
-    ("dsd", False), ("adaspec", False), ("nightjar", True), (hf_specdec.HedgeSpec(cost_aware=True), True),
-])
-def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monkeypatch, tmp_path, policy,
-                                                                           reads_times):
+@pytest.mark.parametrize("policy", ["fixed:3", "hf-heuristic:3", "confidence", hf_specdec.HedgeSpec(), "dsd",
+                                    "adaspec", "nightjar", "auto", hf_specdec.HedgeSpec(cost_aware=True)])
+def test_steps_are_timed_with_events_never_a_device_sync(monkeypatch, tmp_path, policy):
     """On a GPU a timed phase is two CUDA events, read after the step's own host reads of its
-    results: never a device sync, and no events at all for a policy that reads no times. Counted
-    here on CPU with stand-in events, the clock set up as on a GPU."""
+    results: never a device sync. Counted here on CPU with stand-in events, the clock set up as on
+    a GPU."""
     marks, syncs = [], []
 
     class Event:
@@ -145,7 +142,7 @@ def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monke
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: syncs.append(args))
     timing = importlib.import_module("hf_specdec.timing")
-    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device, events: setattr(self, "events", events))
+    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device: setattr(self, "events", True))
     monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
     model = build("llama", 2, seed=0)
     ids, mask = prompts(2, seed=3)
@@ -155,19 +152,16 @@ def test_steps_are_timed_with_events_and_only_for_policies_that_read_times(monke
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, custom_generate=hf_specdec.generate,
                          assistant_models=drafters, spec_policy=policy, return_dict_in_generate=True)
     steps = out.spec_stats.steps
-    assert not syncs
-    if reads_times:             # before drafting, after drafting, after verifying (+2 per drafter that drafted)
-        assert len(marks) >= 3 * len(steps) > 0 and all(s.verify_s > 0 for s in steps)
-    else:
-        assert not marks
+    assert not syncs            # before drafting, after drafting, after verifying (+2 per drafter that drafted)
+    assert len(marks) >= 3 * len(steps) > 0 and all(s.verify_s > 0 for s in steps)
 
 
 def test_reading_times_costs_no_host_sync_per_step(monkeypatch):
     """On a GPU, a CUDA event's time can be read without waiting only once a host read has passed
     it. Emulated here on CPU: a stand-in event completes at the next of hf_specdec's host reads
-    (HostReads: what would sync on a GPU). The same draft lengths with and without a policy that
-    reads times take the same host reads per step, and no step waits on an event: a step's times
-    are read one step later (the last step's at the end of the call)."""
+    (HostReads: what would sync on a GPU). The same draft lengths take the same host reads per step
+    timed with events as with host clocks, and no step waits on an event: a step's times are read
+    one step later (the last step's at the end of the call)."""
     from helpers import Scripted
     reads = HostReads()
     waits = []
@@ -191,7 +185,8 @@ def test_reading_times_costs_no_host_sync_per_step(monkeypatch):
             return (end.at - self.at) * 1000.0
     monkeypatch.setattr(torch.cuda, "Event", Event)
     timing = importlib.import_module("hf_specdec.timing")
-    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device, events: setattr(self, "events", events))
+    events = [False]
+    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device: setattr(self, "events", events[0]))
     in_step, step = [False], DecodingLoop.step
 
     def counted(loop):
@@ -206,17 +201,17 @@ def test_reading_times_costs_no_host_sync_per_step(monkeypatch):
     target.generation_config.eos_token_id = None     # no EOS check: a plain step then reads nothing after verifying
     ids, mask = prompts(3, seed=2, min_len=6, max_len=12, vocab=512)
     per_step, observed = {}, {}
-    for reads_times in (False, True):
+    for timed in (False, True):
+        events[0] = timed
         policy = Scripted(lambda step: [0, 3, 0, 2, 4][step % 5])
-        policy.reads_times = reads_times
         seen = []
         policy.observe = seen.append
         reads.count = 0
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
                               custom_generate=hf_specdec.generate, assistant_models=[hf_specdec.ModelDrafter(draft)],
                               spec_policy=policy, return_dict_in_generate=True)
-        per_step[reads_times] = reads.count / len(out.spec_stats.steps)
-        observed[reads_times] = seen
+        per_step[timed] = reads.count / len(out.spec_stats.steps)
+        observed[timed] = seen
         assert seen == out.spec_stats.steps                  # every step observed, the last one too
     assert per_step[True] == per_step[False], per_step
     assert True not in waits                                 # never inside a step

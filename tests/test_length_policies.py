@@ -48,7 +48,6 @@ class Sim:
         """A generate() call starts: the drafter has not seen its prompt (it lags by all of it).
         budget: the call's max_new_tokens, told to the policy as StepContext.remaining (0: unknown)."""
         self.step, self.lag, self.previous_k, self.remaining = 0, prompt_len, 0, budget
-        self.policy.begin(StepContext(0, batch, 1, list(range(batch)), remaining=budget))
 
     def accepted(self, k):
         for j in range(k):
@@ -257,7 +256,7 @@ def cumulative(row):
 @pytest.mark.parametrize("batch,confidence", [(1, 0.9), (1, 0.6), (4, 0.8), (16, 0.7)])
 def test_adaspec_stops_drafting_where_modelled_goodput_peaks(batch, confidence):
     prof = toy_profile()
-    policy = hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=confidence, gate=False)   # the paper's
+    policy = hf_specdec.AdaSpec(prof, max_len=10, prior_confidence=confidence)
     got = drafted_length(policy, batch, confidence, 10)
 
     def goodput(j):
@@ -279,61 +278,17 @@ def test_adaspec_respects_the_slo():
     assert too_tight.choose(StepContext(0, 1, 1, [0], context_tokens=64)) == 0
 
 
-@pytest.mark.parametrize("gate", [False, True])
-def test_adaspec_follows_the_drafts_confidence_down_and_back_up(gate):
+def test_adaspec_follows_the_drafts_confidence_down_and_back_up():
     """Unsure drafts (the text turned hard) shorten the drafting to the one draft the paper always
-    makes, or with the gate switch speculation off; sure ones afterwards lengthen it again (with the
-    gate, once a probe has seen them): nothing stays stuck."""
-    policy = hf_specdec.AdaSpec(toy_profile(), max_len=8, prior_confidence=0.9, gate=gate)
+    makes; sure ones afterwards lengthen it again: nothing stays stuck."""
+    policy = hf_specdec.AdaSpec(toy_profile(), max_len=8, prior_confidence=0.9)
     lengths = []
     for confidence in [0.9] * 30 + [0.1] * 100 + [0.95] * 100:
         j = drafted_length(policy, 1, confidence, 8)
         if j:
             policy.verify_lengths([[confidence] * j])
         lengths.append(j)
-    assert lengths[29] > 2 and lengths[129] == (0 if gate else 1) and lengths[-1] > 2, lengths
-    if gate:     # off for most of the unsure stretch: only probes draft there
-        assert lengths[30:130].count(0) > 40 and lengths[130:].count(0) < 80, lengths
-
-
-def test_adaspec_gate_charges_the_drafts_catch_up():
-    """One step at B=2 where drafting pays in steady state: a draft 300 tokens behind (a call's
-    prompt) makes it lose over a few tokens left, and pay over many."""
-    prof = CostProfile(toy_profile().target, toy_profile().draft,
-                       SwitchCostTable([1, 300], [1, 16], [[1e-3, 5e-3], [0.3, 1.0]]))
-
-    def drafts(lag, remaining):
-        policy = hf_specdec.AdaSpec(prof, prior_confidence=0.9)
-        policy.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128))    # the prior alone: drafts
-        policy.verify_lengths([[0.9] * 8] * 2)
-        ctx = StepContext(1, 2, 1, [0, 1], context_tokens=128, max_lag=lag, remaining=remaining)
-        return policy.choose(ctx) > 0
-    assert drafts(1, 8) and drafts(1, 0)
-    assert not drafts(300, 8) and drafts(300, 2000)
-    assert not drafts(300, 0)      # tokens left unknown: one step pays all of it
-    # before any draft was seen, the prior is no evidence: the paper's first draft
-    fresh = hf_specdec.AdaSpec(prof, prior_confidence=0.1)
-    assert fresh.choose(StepContext(0, 2, 1, [0, 1], context_tokens=128, max_lag=300, remaining=8)) > 0
-
-
-def test_adaspec_gate_probes_cost_at_most_their_budget():
-    """At B=16 no length pays (the paper's drafter still drafts every step): the gate's probes take
-    at most probe_budget of the predicted time of the plain steps between them."""
-    prof, budget = toy_profile(), 0.05
-    model = GoodputModel(prof)
-    policy = hf_specdec.AdaSpec(prof, max_len=8, prior_confidence=0.7, probe_budget=budget)
-    paper = hf_specdec.AdaSpec(prof, max_len=8, prior_confidence=0.7, gate=False)
-    plain_seconds = probe_seconds = 0.0
-    for step in range(400):
-        ctx = StepContext(step, 16, 1, list(range(16)), context_tokens=64 * 16, max_lag=1, remaining=64)
-        assert paper.choose(ctx) > 0
-        if policy.choose(ctx) == 0:
-            plain_seconds += model.step_time(16, 64 * 16, 0, 16)
-        else:
-            j = next(j for j in range(1, 9) if j == 8 or not all(policy.continue_drafting([[0.7] * j] * 16)))
-            probe_seconds += model.step_time(16, 64 * 16, j, 16 * (j + 1))
-            policy.verify_lengths([[0.7] * j] * 16)
-    assert 0 < probe_seconds <= budget * plain_seconds
+    assert lengths[29] > 2 and lengths[129] == 1 and lengths[-1] > 2, lengths
 
 
 def test_adaspec_verifies_fewer_tokens_of_unsure_rows():
@@ -408,7 +363,7 @@ POLICIES = {
     "dsd": lambda: hf_specdec.DSDGoodput(toy_profile(), max_len=5),
     "adaspec": lambda: hf_specdec.AdaSpec(toy_profile(), max_len=6),
     "adaspec-slo": lambda: hf_specdec.AdaSpec(toy_profile(), max_len=6, slo_tpot=0.05),
-    "adaspec-paper": lambda: hf_specdec.AdaSpec(toy_profile(), max_len=6, gate=False),
+    "measured": lambda: hf_specdec.MeasuredGoodput(max_len=6),
     "nightjar": lambda: hf_specdec.Nightjar(max_len=4, switch_cost=toy_profile()),
 }
 
@@ -435,8 +390,6 @@ def test_rows_stop_drafting_where_the_policy_says_and_stay_stopped(models):
     """`continue_drafting` answers per row: row b says no after b + 1 drafts, then yes, then no
     again. Each row keeps the drafts it had when it first said no; outputs stay generate()'s."""
     class PerRow(hf_specdec.policies.LengthPolicy):
-        stops_drafting = True
-
         def choose(self, ctx):
             return 4
         def continue_drafting(self, confidences):
@@ -482,7 +435,11 @@ def test_profiler_measures_tiny_models_and_the_cli_writes_json(tmp_path, monkeyp
     (lambda: hf_specdec.AdaSpec(toy_profile(), max_len=0), "max_len"),
     (lambda: hf_specdec.AdaSpec(toy_profile(), slo_tpot=-0.1), "slo_tpot"),
     (lambda: hf_specdec.AdaSpec(toy_profile(), prior_confidence=0), "prior_confidence"),
-    (lambda: hf_specdec.AdaSpec(toy_profile(), probe_budget=0), "probe_budget"),
+    (lambda: hf_specdec.MeasuredGoodput(max_len=0), "max_len"),
+    (lambda: hf_specdec.MeasuredGoodput(prior_acceptance=1.5), "prior_acceptance"),
+    (lambda: hf_specdec.MeasuredGoodput(memory=-0.1), "memory"),
+    (lambda: hf_specdec.MeasuredGoodput(prior_slope=0), "prior_slope"),
+    (lambda: hf_specdec.MeasuredGoodput(window=0), "window"),
     (lambda: hf_specdec.Nightjar(explore=0), "explore"),
     (lambda: hf_specdec.ConfidenceThreshold(1.5), "threshold"),
     (lambda: hf_specdec.HFHeuristic(initial=0), "initial"),
@@ -497,5 +454,3 @@ def test_invalid_parameters(make, match):
 def test_cost_model_of_the_wrong_type():
     with pytest.raises(TypeError, match="cost_model"):
         hf_specdec.AdaSpec(cost_model=42)
-    with pytest.raises(TypeError, match="gate"):
-        hf_specdec.AdaSpec(toy_profile(), gate="yes")

@@ -35,8 +35,7 @@ def run(target, draft, ks, probe, batch=3, max_new_tokens=40, suppress_eos=False
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
     if suppress_eos:         # every row runs to max_new_tokens: the batch never shrinks
         kwargs["suppress_tokens"] = [target.generation_config.eos_token_id]
-    out = spec(target, [draft], hf_specdec.SpecPolicy(length=Scripted(ks), offload=offload),
-               return_dict_in_generate=True, **kwargs)
+    out = spec(target, [draft], Scripted(ks), draft_offload=offload, return_dict_in_generate=True, **kwargs)
     plain = target.generate(**kwargs)
     return out, plain, offload
 
@@ -110,8 +109,7 @@ def test_reload_after_recovery_and_outputs_identical_across_cycles(pair):
     # the next call starts resident and goes through two more offloads, still identical
     offload.probe = Probe(lambda i: LOW if i < 6 or 12 < i < 20 else HIGH)
     ids, mask = prompts(3, seed=7)
-    out = spec(target, [draft], hf_specdec.SpecPolicy(length=Scripted(lambda s: 0 if s < 6 or 12 < s < 20 else 2),
-                                                       offload=offload),
+    out = spec(target, [draft], Scripted(lambda s: 0 if s < 6 or 12 < s < 20 else 2), draft_offload=offload,
                input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     assert_same(out.sequences, target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
     assert [e.action for e in offload.events].count("offload") == 3
@@ -132,14 +130,14 @@ def test_reload_waits_for_load_to_drop(pair):
 def test_nightjar_with_offload_is_lossless_under_any_schedule(pair):
     target, draft = pair
     probe = Probe(lambda i: LOW if (i // 7) % 2 else HIGH)
-    policy = hf_specdec.SpecPolicy(length=hf_specdec.Nightjar(max_len=4, seed=0),
-                                   offload=hf_specdec.DraftOffload(low_free_bytes=2 * LOW, persist_steps=2,
-                                                                   reload_batch_size=8, probe=probe))
+    policy = hf_specdec.Nightjar(max_len=4, seed=0)
+    offload = hf_specdec.DraftOffload(low_free_bytes=2 * LOW, persist_steps=2, reload_batch_size=8, probe=probe)
     for seed in range(3):
         ids, mask = prompts(4, seed=seed)
-        out = spec(target, [draft], policy, input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+        out = spec(target, [draft], policy, draft_offload=offload, input_ids=ids, attention_mask=mask,
+                   max_new_tokens=40, do_sample=False)
         assert_same(out, target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
-    policy.offload.disable()
+    offload.disable()
 
 
 def test_disable_removes_the_hooks_and_brings_the_draft_back(pair):
@@ -195,8 +193,13 @@ def test_bad_offload_arguments(kwargs, match):
 def test_bad_offload_types():
     with pytest.raises(TypeError, match="probe"):
         hf_specdec.DraftOffload(probe=5)
-    with pytest.raises(TypeError, match="offload"):
-        hf_specdec.SpecPolicy(offload="yes")
+    target = build("llama", 2, seed=0)
+    calls = []
+    target.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = prompts(2)
+    with pytest.raises(TypeError, match="draft_offload"):
+        spec(target, [target], draft_offload="yes", input_ids=ids, attention_mask=mask, max_new_tokens=4)
+    assert not calls                      # refused before any work
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -218,8 +221,7 @@ def test_cuda_offload_frees_memory_and_reloads_asynchronously():
     ids, mask = ids.cuda(), mask.cuda()
     offload = hf_specdec.DraftOffload(low_free_bytes=2 * LOW, persist_steps=2, reload_batch_size=3,
                                       probe=Probe(lambda i: LOW if i < 5 else HIGH))
-    out = spec(target, [draft], hf_specdec.SpecPolicy(length=Scripted(lambda s: 0 if s < 8 else 3), offload=offload),
-               input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = spec(target, [draft], Scripted(lambda s: 0 if s < 8 else 3), draft_offload=offload, input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     assert_same(out, target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False))
     offload.disable()
     hf_specdec.offload.detach_residency_hook(draft)

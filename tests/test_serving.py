@@ -65,8 +65,6 @@ def test_simulator_rows_without_drafts_verify_only_their_next_token():
 def test_simulator_calls_the_length_policys_drafting_hooks():
     # the policy asks for 3 drafts, stops drafting after 2 and has row 1 verify none of them
     class StopsEarly(LengthPolicy):
-        stops_drafting = trims_drafts = True
-
         def choose(self, ctx):
             return 3
         def continue_drafting(self, confidences):
@@ -85,17 +83,17 @@ def test_simulator_memory_limits_admission_and_offload_frees_it():
     memory = MemoryModel(capacity=30, kv_per_token=1, draft_bytes=10, reload_seconds=0.5)
     requests = [Request(i, 0.0, 4, 6) for i in range(6)]
     def run(offload):
-        policy = hf_specdec.SpecPolicy(length=hf_specdec.FixedLength(0), offload=offload)
-        return Simulator(profile(), policy, acceptance=1.0, memory=memory).run(requests), policy
-    kept, _ = run(None)
-    freed, policy = run(hf_specdec.DraftOffload(low_free_bytes=5, persist_steps=2))
+        return Simulator(profile(), "fixed:0", acceptance=1.0, memory=memory, draft_offload=offload).run(requests)
+    kept = run(None)
+    offload = hf_specdec.DraftOffload(low_free_bytes=5, persist_steps=2)
+    freed = run(offload)
     assert max(s.batch_size for s in kept.steps) == 2
-    events = policy.offload.events          # offloaded after 2 tight k = 0 steps; back once the batch is small
+    events = offload.events          # offloaded after 2 tight k = 0 steps; back once the batch is small
     assert [(e.action, e.step) for e in events[:1]] == [("offload", 2)] and "reload-start" in events[-1].action
     assert max(s.batch_size for s in freed.steps) == 3
     assert freed.summary()["tokens_per_s"] > kept.summary()["tokens_per_s"]
     with pytest.raises(ValueError, match="needs memory"):
-        Simulator(profile(), policy, acceptance=1.0)
+        Simulator(profile(), "fixed:0", acceptance=1.0, draft_offload=offload)
     with pytest.raises(ValueError, match="capacity"):
         Simulator(profile(), hf_specdec.FixedLength(0), 1.0, memory=memory).run([Request(0, 0.0, 15, 10)])
 
@@ -106,9 +104,9 @@ def test_simulator_reloads_the_draft_when_load_drops():
     prof = profile(draft=(0.0, 0.01, 0.0))
     memory = MemoryModel(capacity=30, kv_per_token=1, draft_bytes=10, reload_seconds=0.5)
     offload = hf_specdec.DraftOffload(low_free_bytes=5, persist_steps=2, reload_batch_size=1)
-    policy = hf_specdec.SpecPolicy(length=Scripted(lambda step: 0 if step < 6 else 2), offload=offload)
+    policy = Scripted(lambda step: 0 if step < 6 else 2)
     requests = [Request(i, 0.0, 4, 6) for i in range(3)] + [Request(3, 100.0, 4, 8)]
-    steps = Simulator(prof, policy, acceptance=1.0, memory=memory).run(requests).steps
+    steps = Simulator(prof, policy, acceptance=1.0, memory=memory, draft_offload=offload).run(requests).steps
     assert [e.action for e in offload.events] == ["offload", "reload-start", "resident"]
     late = [s for s in steps if s.time > 100]
     assert [s.k for s in late] == [2, 2, 0]                              # the last token: no room

@@ -78,8 +78,7 @@ class HierarchicalDrafter(Drafter):
         self.upper.begin(batch, sampler)
         self.stats = LevelStats()
         self._cycle = 0
-        self.inner_length.begin(self._context(batch))
-        self.clock = PhaseClock(self.upper.runner.device, events=self.inner_length.reads_times)
+        self.clock = PhaseClock(self.upper.runner.device)
 
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         # a cycle writes at most k tokens per row past what the row has produced so far

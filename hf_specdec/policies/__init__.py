@@ -22,64 +22,44 @@ DEFAULT_LENGTH = 4
 
 
 class SpecPolicy:
-    """A drafter selector plus a length policy; the object `generate()` consults every step.
-    offload: a `hf_specdec.DraftOffload` (True: one with its defaults) that moves the draft models
-    off the accelerator while speculation is off and memory is tight."""
+    """A drafter selector plus a length policy; the object `generate()` consults every step."""
 
-    def __init__(self, selector: DrafterSelector | None = None, length: LengthPolicy | None = None,
-                 offload=None):
+    def __init__(self, selector: DrafterSelector | None = None, length: LengthPolicy | None = None):
         if selector is not None and not isinstance(selector, DrafterSelector):
             raise TypeError(f"selector must be a DrafterSelector, got {type(selector).__name__}")
         if length is not None and not isinstance(length, LengthPolicy):
             raise TypeError(f"length must be a LengthPolicy, got {type(length).__name__}")
-        from ..offload import DraftOffload   # torch-side mechanism; the policies stay pure Python
-        if offload is True:
-            offload = DraftOffload()
-        if offload not in (None, False) and not isinstance(offload, DraftOffload):
-            raise TypeError(f"offload must be a DraftOffload, True or None, got {type(offload).__name__}")
-        self.offload = offload or None
         self.selector = selector or FixedDrafter(0)
         self.length = length or FixedLength(DEFAULT_LENGTH)
 
     def begin(self, ctx: StepContext) -> None:
         self.selector.begin(ctx)
-        self.length.begin(ctx)
 
     def choose(self, ctx: StepContext) -> Decision:
         return Decision(drafter=self.selector.choose(ctx), length=self.length.choose(ctx))
 
     def plan(self, ctx: StepContext) -> tuple[Decision, int]:
         """What every executor of a step (the loop, the simulator) runs: the decision, and the k to
-        run: no draft past the longest row's room (ctx.remaining, if known), none while the drafts
-        are off the device."""
+        run: no draft past the longest row's room (ctx.remaining, if known)."""
         decision = self.choose(ctx)
-        k = max(0, min(decision.length, ctx.remaining - 1) if ctx.remaining else decision.length)
-        if self.offload is not None and not self.offload.step(ctx, k):
-            k = 0
-        return decision, k
+        return decision, max(0, min(decision.length, ctx.remaining - 1) if ctx.remaining else decision.length)
 
     def trim(self, lengths: list[int], confidences: list[list[float]]) -> list[int]:
         """Drafts each row keeps for verification: a trimming length policy's `verify_lengths`
         (AdaSpec), else all. confidences: per row, its drafts' confidences (read only if it trims)."""
-        if not self.length.trims_drafts:
+        if self.length.verify_lengths is None:
             return lengths
         return [min(n, max(w, 0)) for n, w in zip(lengths, self.length.verify_lengths(confidences))]
 
     def wants_feedback(self, step: int) -> bool:
         return self.selector.wants_feedback(step)
 
-    @property
-    def reads_times(self) -> bool:
-        """Whether the loop must time steps for this policy (a device sync per phase on a GPU)."""
-        return self.length.reads_times or self.selector.reads_times
-
     def observe(self, record: StepRecord) -> None:
         self.selector.observe(record)
         self.length.observe(record)
 
     def __repr__(self):
-        offload = f", offload={self.offload!r}" if self.offload else ""
-        return f"SpecPolicy(selector={self.selector!r}, length={self.length!r}{offload})"
+        return f"SpecPolicy(selector={self.selector!r}, length={self.length!r})"
 
 
 # name -> (policy class, what ":<n>" sets, if anything)

@@ -49,39 +49,28 @@ class Decision:
 
 
 class LengthPolicy:
-    """`choose` the step's maximal draft length k; while drafting, `continue_drafting` may stop
-    rows early (a policy that does says `stops_drafting`); before verification, `verify_lengths`
-    may drop tail drafts of any row (`trims_drafts`). Loops call these hooks only where declared:
-    they read every draft's confidence, a host sync per draft token."""
+    """`choose` the step's maximal draft length k before it (ctx.step == 0: a generate() call
+    starts), `observe` its record after it: two methods, as Transformers' candidate generators
+    have. A policy that weighs each draft's confidence (a host read per draft token) also defines
+    one or both optional hooks, None where it does not:
+      continue_drafting(confidences) -> list[bool]: after each drafted token, per row, draft
+        another? confidences[b][j] is the drafter's probability of row b's j-th draft (1.0 for
+        lookup drafters); a row that says no keeps its drafts; drafting stops when no row wants
+        more or k is reached;
+      verify_lengths(confidences) -> list[int]: before verification, how many of each row's
+        drafts to verify (<= len(confidences[b]))."""
 
-    # observe() weighs the step's seconds: the loop must time it (on a GPU, a device sync per phase)
-    reads_times = True
-    stops_drafting = False
-    trims_drafts = False
-
-    def begin(self, ctx: StepContext) -> None:
-        """A generate() call starts (ctx.step == 0); reset per-call state."""
+    continue_drafting = None
+    verify_lengths = None
 
     def choose(self, ctx: StepContext) -> int:
         raise NotImplementedError
-
-    def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
-        """After each drafted token: per row, draft another? `confidences[b][j]` is the drafter's
-        probability of row b's j-th draft (1.0 for lookup drafters). A row that says no keeps the
-        drafts it has; drafting stops when no row wants more or k is reached."""
-        return [True] * len(confidences)
-
-    def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
-        """How many of each row's drafts to verify (<= len(confidences[b]))."""
-        return [len(row) for row in confidences]
 
     def observe(self, record: StepRecord) -> None:
         pass
 
 
 class DrafterSelector:
-    reads_times = False   # see LengthPolicy.reads_times
-
     def begin(self, ctx: StepContext) -> None:
         """A generate() call starts (ctx.step == 0); reset per-call state."""
 

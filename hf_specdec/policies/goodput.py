@@ -14,19 +14,8 @@ the lowest-AR drafts of any row while that raises the predicted goodput, so rows
 numbers of drafts. With an SLO (Alg. 3) a step predicted to take longer than `slo_tpot` scores -1.
 In the paper the first draft is always drafted (Alg. 1 starts from best_thpt = -1) unless even that
 step breaks the SLO: the drafts' confidences are what the policy learns from.
-Extension (gate=True, the default): whether to draft at all, charging the draft's catch-up. The
-paper's engine keeps the draft's cache current, so a step's first draft costs one draft forward. In
-generate() the draft has not seen a call's prompt at its first step, and after plain steps it lags
-by them: its first forward then catches up those tokens (the switching cost Nightjar names). A step
-drafts only where the best length's goodput, at the guessed confidence and with that catch-up spread
-over the steps drafting would take to emit the tokens left (StepContext.remaining), beats a plain
-step's. While it does not, the guess cannot follow the drafts, so a probe drafts all the same once
-the plain steps since the last drafting step have taken 1 / probe_budget times the probe's predicted
-cost (its catch-up and a step of max_len drafts): probes cost at most `probe_budget` of the time
-they watch over, and k = 0 is no dead end. A probe drafts max_len tokens and its drafts' confidences
-replace the guess's stale ones, so one probe is enough to open the gate again. Until the first
-drafts have been seen the guess is only the prior, so the gate stays open (the paper's drafter).
-Measured on the real pair against the paper's drafter: docs/benchmarks.md.
+Whether to draft at all, charging the draft's catch-up after plain steps, is the default policy's
+question (`MeasuredGoodput`); AdaSpec here is the paper's drafter.
 
 DSDGoodput (DSD / SmartSpec): one k for the step, argmax of the goodput with AR_i = alpha^i and alpha
 the acceptance rate measured so far; once k = 0 nothing is measured any more (its known deadlock).
@@ -54,20 +43,13 @@ class GoodputModel:
         drafting = drafted * draft.forward_time(context, batch) + draft.alpha * batch * drafted * (drafted - 1) / 2
         return drafting + self.profile.target.forward_time(context, fed, wide=fed > batch)
 
-    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]],
-                spread: float = 0.0) -> float:
-        """Tokens per second of a step whose row b verifies len(ar[b]) drafts, `spread` seconds added
-        to it (a share of a catch-up, not part of the step's own SLO); -1 over the SLO."""
+    def goodput(self, batch: int, context: int, drafted: int, ar: list[list[float]]) -> float:
+        """Tokens per second of a step whose row b verifies len(ar[b]) drafts; -1 over the SLO."""
         verified = sum(len(row) for row in ar)
         seconds = self.step_time(batch, context, drafted, batch + verified)
         if self.slo_tpot is not None and seconds > self.slo_tpot:
             return -1.0
-        return (batch + sum(map(sum, ar))) / (seconds + spread)
-
-    def catch_up(self, batch: int, lag: int) -> float:
-        """Seconds the draft's first forward takes beyond a steady step's, `lag` tokens a row behind
-        (a steady step feeds it one)."""
-        return max(0.0, self.profile.switch(lag, batch) - self.profile.switch(1, batch))
+        return (batch + sum(map(sum, ar))) / seconds
 
     def best_verification(self, batch: int, context: int, drafted: int,
                           ar: list[list[float]]) -> tuple[list[int], float]:
@@ -103,8 +85,6 @@ class _Profiled(LengthPolicy):
     with None, measured by generate() the first time the policy meets its models
     (`hf_specdec.costmodel.cached_profile`, cached on disk)."""
 
-    reads_times = False    # the profile predicts times; measured ones are not read
-
     def _use(self, cost_model, slo_tpot) -> None:
         if slo_tpot is not None and (isinstance(slo_tpot, bool) or not isinstance(slo_tpot, (int, float))
                                      or slo_tpot <= 0):
@@ -134,68 +114,32 @@ def _cumulative(values: list[float]) -> list[float]:
 class AdaSpec(_Profiled):
     """cost_model: a CostProfile, a profile JSON path, or None (measured on first use); max_len: most
     drafts per step; slo_tpot: seconds per step not to exceed (None: no SLO); prior_confidence: the
-    guess for a draft's confidence before any was seen; gate, probe_budget: the extension above
-    (gate=False: the paper's drafter)."""
-
-    stops_drafting = trims_drafts = True
+    guess for a draft's confidence before any was seen."""
 
     def __init__(self, cost_model=None, max_len: int = 8, slo_tpot: float | None = None,
-                 prior_confidence: float = 0.5, gate: bool = True, probe_budget: float = 0.05):
+                 prior_confidence: float = 0.5):
         if non_negative_int(max_len, "AdaSpec(max_len)") < 1:
             raise ValueError(f"AdaSpec(max_len) must be >= 1, got {max_len}")
         if isinstance(prior_confidence, bool) or not isinstance(prior_confidence, (int, float)) \
                 or not 0 < prior_confidence <= 1:
             raise ValueError(f"AdaSpec(prior_confidence) must be in (0, 1], got {prior_confidence!r}")
-        if not isinstance(gate, bool):
-            raise TypeError(f"AdaSpec(gate) must be True or False, got {gate!r}")
-        if isinstance(probe_budget, bool) or not isinstance(probe_budget, (int, float)) \
-                or not 0 < probe_budget <= 1:
-            raise ValueError(f"AdaSpec(probe_budget) must be a number in (0, 1], got {probe_budget!r}")
         self._use(cost_model, slo_tpot)
-        self.max_len, self.gate, self.probe_budget = max_len, gate, probe_budget
+        self.max_len = max_len
         self.recent: deque[float] = deque([prior_confidence], maxlen=64)   # latest drafts' confidences
         self.ctx: StepContext | None = None
-        self.watched = 0.0     # predicted seconds of the plain steps the gate chose since the last draft
-        self.probing = self.measured = False     # measured: drafts' confidences seen (not only the prior)
 
     def _guess(self) -> float:
         return sum(self.recent) / len(self.recent)
 
     def choose(self, ctx: StepContext) -> int:
         self.ctx = ctx
-        self.probing = False
-        batch, context, guess = ctx.batch_size, ctx.context_tokens, self._guess()
-        if self.model.goodput(batch, context, 1, [[guess]] * batch) < 0:    # even one draft breaks the SLO
-            return 0
-        if self.gate and self.measured:
-            catch_up = self.model.catch_up(batch, ctx.max_lag)
-            plain_seconds = self.model.step_time(batch, context, 0, batch)
-            if self._drafting_goodput(ctx, guess, catch_up) <= batch / plain_seconds:
-                self.watched += plain_seconds
-                k = self.max_len
-                probe = catch_up + self.model.step_time(batch, context, k, (k + 1) * batch)
-                if self.probe_budget * self.watched < probe:
-                    return 0
-                self.probing = True
-            self.watched = 0.0
+        if self.model.goodput(ctx.batch_size, ctx.context_tokens, 1, [[self._guess()]] * ctx.batch_size) < 0:
+            return 0                          # even one draft breaks the SLO
         return self.max_len
-
-    def _drafting_goodput(self, ctx: StepContext, guess: float, catch_up: float) -> float:
-        """The best length's goodput at confidence `guess`, a share of `catch_up` added to each of the
-        steps that would emit the tokens left (all of it to one step where that is unknown)."""
-        best = -1.0
-        for j in range(1, self.max_len + 1):
-            ar = _cumulative([guess] * j)
-            steps = max(1.0, ctx.remaining / (1 + sum(ar)))
-            best = max(best, self.model.goodput(ctx.batch_size, ctx.context_tokens, j, [ar] * ctx.batch_size,
-                                                spread=catch_up / steps))
-        return best
 
     def continue_drafting(self, confidences: list[list[float]]) -> list[bool]:
         """Alg. 1: draft one more token iff the goodput predicted with it (after the verifier's
-        trimming) beats the goodput of the drafts at hand (a probe drafts max_len)."""
-        if self.probing:
-            return [True] * len(confidences)
+        trimming) beats the goodput of the drafts at hand."""
         batch, context, drafted = self.ctx.batch_size, self.ctx.context_tokens, len(confidences[0])
         ar = [_cumulative(row) for row in confidences]
         _, now = self.model.best_verification(batch, context, drafted, ar)
@@ -205,16 +149,13 @@ class AdaSpec(_Profiled):
 
     def verify_lengths(self, confidences: list[list[float]]) -> list[int]:
         """Alg. 2 on the drafts at hand."""
-        if self.probing and any(confidences):     # the guess's confidences predate the closed stretch
-            self.recent.clear()
         self.recent.extend(c for row in confidences for c in row)
-        self.measured = self.measured or any(confidences)
         drafted = max(map(len, confidences), default=0)
         ar = [_cumulative(row) for row in confidences]
         return self.model.best_verification(self.ctx.batch_size, self.ctx.context_tokens, drafted, ar)[0]
 
     def __repr__(self):
-        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot}, gate={self.gate})"
+        return f"AdaSpec(max_len={self.max_len}, slo_tpot={self.slo_tpot})"
 
 
 class DSDGoodput(_Profiled):

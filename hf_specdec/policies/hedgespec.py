@@ -63,7 +63,6 @@ class HedgeSpec(DrafterSelector):
         self.warmup_steps = non_negative_int(warmup_steps, "HedgeSpec(warmup_steps)")
         self.prompt_positions = non_negative_int(prompt_positions, "HedgeSpec(prompt_positions)")
         self.depth, self.cost_aware, self.feedback_every = depth, cost_aware, feedback_every
-        self.reads_times = cost_aware
         self.rng = random.Random(seed)
         self.trace: list[tuple[int, int, list[float]]] = []  # (step, row, weights) per decision
         # timings describe the models and the machine, not a request: they carry over between calls

@@ -8,8 +8,6 @@ from .base import LengthPolicy, StepContext, non_negative_int, probability
 class FixedLength(LengthPolicy):
     """Always draft `k` tokens (k = 0: never speculate)."""
 
-    reads_times = False
-
     def __init__(self, k: int = 4):
         self.k = non_negative_int(k, "FixedLength(k): k")
 
@@ -26,13 +24,12 @@ class HFHeuristic(LengthPolicy):
     Transformers' assistant. threshold > 0 adds Transformers' confidence stop (a row stops drafting
     after a token whose draft probability is below it), as its assistant applies both."""
 
-    reads_times = False
-
     def __init__(self, initial: int = 20, threshold: float = 0.0):
         if non_negative_int(initial, "HFHeuristic(initial)") < 1:
             raise ValueError(f"HFHeuristic(initial) must be >= 1, got {initial}")
         self.k, self.threshold = initial, probability(threshold, "HFHeuristic(threshold)")
-        self.stops_drafting = threshold > 0      # else no confidence is read: no host sync per draft
+        if not threshold:
+            self.continue_drafting = None     # no confidence is read: no host sync per draft
 
     def choose(self, ctx: StepContext) -> int:
         return self.k
@@ -54,9 +51,6 @@ class HFHeuristic(LengthPolicy):
 class ConfidenceThreshold(LengthPolicy):
     """Transformers' dynamic speculation (`assistant_confidence_threshold`): a row stops drafting
     after a token whose draft probability is below `threshold`; at most `max_len` tokens."""
-
-    reads_times = False
-    stops_drafting = True
 
     def __init__(self, threshold: float = 0.4, max_len: int = 20):
         probability(threshold, "ConfidenceThreshold(threshold)")

@@ -19,12 +19,16 @@ acceptance and one cost line; it needs hundreds of steps, a user's first calls h
 Exploration, cheap and bounded:
   - a batch bucket (a power of two of batch sizes) first plays a plain step, then the best
     drafting arm under its prior costs for two steps (the first of which catches the draft up);
-  - while no length pays, a probe (the best drafting arm, for two steps) runs after 16 plain steps
-    of the bucket, then after 32, 64, ...: probes take a vanishing share of the time, and plain is
-    no dead end (DSD's deadlock at k = 0);
-  - steps that catch a draft up after plain steps (lag > 3) are not an arm's cost: their excess
-    over it, per lagged token, is the switching cost, and switching on from plain must save more
-    over the tokens left (StepContext.remaining) than it costs (Nightjar's C_switch).
+  - while no length pays, or not enough to catch the draft up, a probe (the best drafting arm,
+    for two steps) runs once the plain steps since the last drafting one took 8 times what the
+    probe is predicted to lose (its catch-up, and its steps' time beyond what plain steps would
+    take for their tokens), then 16 times, 32, ...: probes take a vanishing share of the time, and
+    plain is no dead end (DSD's deadlock at k = 0);
+  - steps that catch a draft up (a call's first drafts, or after plain steps: lag > 3) are not an
+    arm's cost: their drafting time's excess over a steady step's, per lagged token, is the
+    switching cost (before any was measured: the target's prefill per prompt token, scaled by a
+    draft forward's share of a plain step), and switching on from plain must save more over the
+    tokens left (StepContext.remaining) than it costs (Nightjar's C_switch).
 Measured against Nightjar and fixed lengths in docs/benchmarks.md ("The default policy").
 """
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..stats import StepRecord
 from .base import SPEC_TIERS, LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
 
 STEADY_LAG = 3     # a drafter's lag between drafting steps is 1 or 2; after one plain step up to 3
+PATIENCE = 8       # plain time before the first probe, in what the probe is predicted to lose
 
 
 class _BucketCosts:
@@ -45,9 +50,10 @@ class _BucketCosts:
         self.window = window
         self.seconds: dict[int, deque] = {}
         self.plain_seconds = 0.0  # of the plain steps since the last drafting one
-        self.patience = 16        # plain time before a probe, in probe costs (doubles after each)
+        self.patience = PATIENCE  # plain time before a probe, in probe costs (doubles after each)
         self.probe_left = 0       # steps of the current probe still to run
-        self.catch_up = None      # (k, seconds, lag x rows) of a catch-up step whose arm was not measured yet
+        self.draft_seconds: deque = deque(maxlen=window)    # drafting seconds per draft, in steady steps
+        self.catch_up = None      # (k, drafting seconds, lag x rows) of a catch-up step not yet weighed
 
     def add(self, k: int, seconds: float) -> None:
         self.seconds.setdefault(k, deque(maxlen=self.window)).append(seconds)
@@ -150,9 +156,10 @@ class MeasuredGoodput(LengthPolicy):
             return drafting
         switch = self._catch_up(ctx) if ctx.max_lag > STEADY_LAG else 0.0
         saved = ctx.remaining * (1 / goodput[0] - 1 / goodput[drafting]) if ctx.remaining else float("inf")
-        if goodput[drafting] > goodput[0] and saved > switch:
-            costs.plain_seconds, costs.patience = 0.0, 16
-            costs.probe_left = int(len(costs.seconds) == 1)    # priors only: measure the arm too
+        guessed = len(costs.seconds) == 1     # no drafting arm measured here: the costs are a prior's
+        if goodput[drafting] > goodput[0] and saved > switch * (1 + guessed):   # a guess pays twice over
+            costs.plain_seconds, costs.patience = 0.0, PATIENCE
+            costs.probe_left = int(guessed)   # measure the arm too
             return drafting
         # no length pays (or not enough to catch the draft up): plain, with a probe once the plain
         # steps since the last drafting one took `patience` times what a probe would lose
@@ -167,10 +174,20 @@ class MeasuredGoodput(LengthPolicy):
 
     def _catch_up(self, ctx: StepContext) -> float:
         """Seconds a draft lagging ctx.max_lag tokens per row takes to catch up: as measured before
-        per lagged token, else as the target's prefill took per prompt token (a bound: the draft is
-        the smaller model)."""
-        per_token = statistics.median(self.catch_up_per_token) if self.catch_up_per_token else self.prefill_per_token
+        per lagged token, else as the target's prefill took per prompt token, scaled by what a
+        draft forward costs of a plain step."""
+        if self.catch_up_per_token:
+            per_token = statistics.median(self.catch_up_per_token)
+        else:
+            per_token = self.prefill_per_token * self._draft_share()
         return per_token * ctx.max_lag * ctx.batch_size
+
+    def _draft_share(self) -> float:
+        """A draft forward's seconds over a plain step's, in any bucket that measured both."""
+        for costs in self.buckets.values():
+            if costs.draft_seconds and 0 in costs.seconds:
+                return statistics.median(costs.draft_seconds) / costs.measured()[0]
+        return self.prior_slope
 
     def observe(self, record: StepRecord) -> None:
         if record.k:
@@ -182,22 +199,22 @@ class MeasuredGoodput(LengthPolicy):
             self.asked = d * self.asked + record.batch_size
         if not sum(record.emitted):
             return
-        tokens = record.lag * record.batch_size
-        if record.step == 0:                  # step 0 also prefilled the prompt: no arm's cost
-            if record.k == 0 and tokens:
-                self.prefill_per_token = record.seconds / tokens
-            return
-        costs = self._costs(record.batch_size)
-        if record.k and record.lag > STEADY_LAG:     # caught a draft up: its excess is the switching cost
-            costs.catch_up = (record.k, record.seconds, tokens)
+        costs, tokens = self._costs(record.batch_size), record.lag * record.batch_size
+        if record.k and record.lag > STEADY_LAG:     # caught a draft up (a call's first drafts too)
+            costs.catch_up = (record.k, record.draft_s, tokens)
+        elif record.step == 0:                # step 0 also prefilled the prompt: no arm's cost
+            self.prefill_per_token = record.seconds / max(tokens, 1)
         else:
             costs.add(record.k, record.seconds)
-            if record.k == 0:
+            if record.k:
+                costs.draft_seconds.append(record.draft_s / record.k)
+            else:
                 costs.plain_seconds += record.seconds
-        if costs.catch_up is not None and len(costs.seconds) > 1:
+        if costs.catch_up is not None and costs.draft_seconds:
+            # its excess over drafting k tokens in step is the switching cost
             k, seconds, tokens = costs.catch_up
             costs.catch_up = None
-            excess = seconds - self._estimate(costs, k, record.batch_size)
+            excess = seconds - k * statistics.median(costs.draft_seconds)
             self.catch_up_per_token.append(max(excess, 0.0) / tokens)
 
     def __repr__(self):

@@ -94,10 +94,9 @@ class Nightjar(LengthPolicy):
             self.bandits[key] = _Bandit(self.max_len + 1)
         return self.bandits[key]
 
-    def begin(self, ctx: StepContext) -> None:
-        self.previous_k = 0
-
     def choose(self, ctx: StepContext) -> int:
+        if ctx.step == 0:                 # a call starts: its drafter has not seen the prompt
+            self.previous_k = 0
         bandit = self._bandit(ctx.batch_size)
         if bandit.round == 1:
             if self.rng.random() < self.explore / bandit.bin:

@@ -20,6 +20,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from ..generate import DecodingLoop, check_spec_args, ensure_profile
+from ..offload import as_offload
 from ..sampling import TokenSampler
 from ..sequences import SequenceBatch
 from .simulator import RequestResult, RunResult, RunStep
@@ -30,15 +31,16 @@ class Engine:
     """model: the target; assistant_models / spec_policy: as for `generate()` (model and lookup
     drafters); max_batch: most running requests; max_prompt_len: longest prompt admitted;
     eos_token_id: stop a request at this token (None: run every request to its output_len, as
-    trace replays do). Greedy decoding."""
+    trace replays do); draft_offload: as for `generate()`. Greedy decoding."""
 
     def __init__(self, model, assistant_models, spec_policy=None, max_batch: int = 16,
-                 max_prompt_len: int = 512, eos_token_id: int | None = None):
+                 max_prompt_len: int = 512, eos_token_id: int | None = None, draft_offload=None):
         for name, value in (("max_batch", max_batch), ("max_prompt_len", max_prompt_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine({name}) must be an integer >= 1, got {value!r}")
         self.model = model
         self.drafters, self.policy = check_spec_args(model, assistant_models, spec_policy)
+        self.offload = as_offload(draft_offload)
         stuck = [i for i, d in enumerate(self.drafters) if not d.joinable]
         if stuck:
             raise ValueError(f"assistant_models{stuck} cannot take requests mid-run; the engine runs model "
@@ -62,7 +64,8 @@ class Engine:
         batch.set_active(batch.active[:0], [])
         stops = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
         # (request times are read after each step's host reads of its results: its work is done)
-        loop = DecodingLoop(self.model, batch, self.drafters, self.policy, TokenSampler(None, False, None), stops)
+        loop = DecodingLoop(self.model, batch, self.drafters, self.policy, TokenSampler(None, False, None), stops,
+                            offload=self.offload)
         loop.begin()
         self.stats = loop.stats
 

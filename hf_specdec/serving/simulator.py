@@ -22,7 +22,7 @@ policies can be compared at request rates and model sizes this machine cannot ru
     `StepRecord` with the simulated times, as it would from `generate()`;
   - with a `MemoryModel`, a request is admitted only when its whole KV reservation (prompt +
     output tokens, the target's and, while the draft is on the device, the draft's) fits beside
-    the draft's weights. A policy's `DraftOffload` then acts as it does on a GPU (the manager's own
+    the draft's weights. A `DraftOffload` (draft_offload=) then acts as it does on a GPU (the manager's own
     decisions; only the memory probe and the draft's residency are simulated): offloading frees
     the draft's weights and cache for more requests, and drops the draft's KV cache (every row
     then lags by its whole context); a reload takes `reload_seconds` off the decoding path, with
@@ -40,7 +40,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..costmodel import CostProfile, LatencyModel
-from ..offload import OFFLOADED, RELOADING, RESIDENT
+from ..offload import OFFLOADED, RELOADING, RESIDENT, as_offload
 from ..policies import StepContext, resolve_policy
 from ..policies.base import probability
 from ..stats import StepRecord
@@ -205,14 +205,15 @@ class Simulator:
     a row has drafts at a step; max_batch: most running rows;
     prefill: the LatencyModel of prompt prefills (default: the profile's target model, fitted on
     decode steps; `costmodel.profile_prefill` measures one); memory: a `MemoryModel` (None: memory
-    never limits admission; required by a policy with offload, whose probe and draft it replaces);
+    never limits admission; required with draft_offload, whose probe and draft it replaces);
     confidence: every draft's confidence, for policies that read it (None: `acceptance`, a
     calibrated drafter; a lookup drafter reports 1.0); noise: the standard deviation of a step's
-    log-normal time factor (0: exact times)."""
+    log-normal time factor (0: exact times); draft_offload: a `DraftOffload`, as for `generate()`."""
 
     def __init__(self, profile: CostProfile | RelativeCosts, policy, acceptance: float, max_batch: int = 256,
                  seed: int = 0, prefill: LatencyModel | None = None, proposal_rate: float = 1.0,
-                 memory: MemoryModel | None = None, confidence: float | None = None, noise: float = 0.0):
+                 memory: MemoryModel | None = None, confidence: float | None = None, noise: float = 0.0,
+                 draft_offload=None):
         if not isinstance(profile, (CostProfile, RelativeCosts)):
             raise TypeError(f"profile must be a CostProfile or RelativeCosts, got {type(profile).__name__}")
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < 1:
@@ -237,13 +238,13 @@ class Simulator:
         self.acceptance, self.proposal_rate = acceptance, proposal_rate
         self.max_batch, self.rng = max_batch, random.Random(seed)
         self.memory = memory
-        self._controls = self.policy.length.stops_drafting
-        if self.policy.offload is not None and memory is None:
-            raise ValueError("a policy with offload needs memory=MemoryModel(...): offloading acts on memory")
+        self.offload = as_offload(draft_offload)
+        if self.offload is not None and memory is None:
+            raise ValueError("draft_offload needs memory=MemoryModel(...): offloading acts on memory")
 
     def _drafted(self, k: int, rows: int) -> int:
         """Draft forwards before the length policy stops drafting (all k if it has no such hook)."""
-        if not self._controls:
+        if self.policy.length.continue_drafting is None:
             return k
         confidences = [[] for _ in range(rows)]
         for j in range(1, k):
@@ -274,7 +275,7 @@ class Simulator:
         waiting = sorted(requests, key=lambda r: r.arrival)
         running: list[_Row] = []
         result, t, step, carried = RunResult(), 0.0, 0, 0.0
-        memory, offload = self.memory, self.policy.offload
+        memory, offload = self.memory, self.offload
         resident = _SimulatedDraft(memory) if memory is not None else None
         if memory is not None:
             too_big = [r.id for r in requests if memory.used([r], True) > memory.capacity]
@@ -319,6 +320,8 @@ class Simulator:
             if resident is not None:
                 resident.now = t                            # what the offload manager's clock reads
             decision, k = self.policy.plan(ctx)             # the loop's own decision and clamp
+            if offload is not None and not offload.step(ctx, k):   # the drafts are off the device
+                k = 0
             if resident is not None and resident.dropped:   # offloaded: its cache went with it
                 resident.dropped = False
                 for r in running:
