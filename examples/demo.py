@@ -56,7 +56,7 @@ def main():
     problems = load_problems(problems=PROBLEMS[:args.problems])
     methods = {"plain generate()": {},
                f"fixed k={args.k}": dict(assistant_models=[draft], spec_policy=hf_specdec.FixedLength(args.k)),
-               "adaptive (Nightjar)": dict(assistant_models=[draft], spec_policy=hf_specdec.Nightjar())}
+               "adaptive (default)": dict(assistant_models=[draft], spec_policy="auto")}
 
     rows = []
     # a generate() call over a chunk takes minutes on a small CPU: show how far the run is

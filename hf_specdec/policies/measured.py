@@ -18,7 +18,10 @@ acceptance and one cost line; it needs hundreds of steps, a user's first calls h
 
 Exploration, cheap and bounded:
   - a batch bucket (a power of two of batch sizes) first plays a plain step, then the best
-    drafting arm under its prior costs for two steps (the first of which catches the draft up);
+    drafting arm under its prior costs (a draft costing prior_slope of a plain step, the slope
+    of the nearest bucket that measured one) for two steps, the first of which catches the draft
+    up: where the prior predicts that this saves twice the catch-up over the tokens left (a
+    guess pays twice over), else it waits for a probe;
   - while no length pays, or not enough to catch the draft up, a probe (the best drafting arm,
     for two steps) runs once the plain steps since the last drafting one took 8 times what the
     probe is predicted to lose (its catch-up, and its steps' time beyond what plain steps would
@@ -164,7 +167,8 @@ class MeasuredGoodput(LengthPolicy):
         # no length pays (or not enough to catch the draft up): plain, with a probe once the plain
         # steps since the last drafting one took `patience` times what a probe would lose
         loss = max(self._estimate(costs, drafting, ctx.batch_size) * (1 - goodput[drafting] / goodput[0]), 0.0)
-        if costs.plain_seconds > costs.patience * (switch + 2 * loss):
+        room = not ctx.remaining or ctx.remaining > 2 * (drafting + 1)     # for both of its steps
+        if room and costs.plain_seconds > costs.patience * (switch + 2 * loss):
             costs.plain_seconds, costs.patience, costs.probe_left = 0.0, 2 * costs.patience, 1
             return drafting
         return 0
