@@ -61,7 +61,7 @@ def test_confirming_round_times_plain_the_oracle_and_the_policies_again(tmp_path
 def test_resume_keeps_finished_batch_sizes(tmp_path):
     out = tmp_path / "bench"
     args = ["--envs", "tiny-useless", "--changing-rows", "0", "--max-new-tokens", "4", "--repeats", "1",
-            "--confirm-repeats", "0", "--learn-runs", "0", "--methods", "fixed:1", "--out", str(out)]
+            "--confirm-repeats", "0", "--learn-runs", "0", "--methods", "fixed:1,nightjar", "--out", str(out)]
     bench_lengths.main([*args, "--batch-sizes", "1"])
     first = json.loads(out.with_suffix(".json").read_text())["results"]["tiny-useless"]
     bench_lengths.main([*args, "--batch-sizes", "1,2", "--resume"])

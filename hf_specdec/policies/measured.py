@@ -25,8 +25,8 @@ Exploration, cheap and bounded:
   - while no length pays, or not enough to catch the draft up, a probe (the best drafting arm,
     for two steps) runs once the plain steps since the last drafting one took 8 times what the
     probe is predicted to lose (its catch-up, and its steps' time beyond what plain steps would
-    take for their tokens), then 16 times, 32, ...: probes take a vanishing share of the time, and
-    plain is no dead end (DSD's deadlock at k = 0);
+    take for their tokens), then 16 times, 32 and 64 at most: probes take a small share of the
+    time, and plain is no dead end (DSD's deadlock at k = 0);
   - steps that catch a draft up (a call's first drafts, or after plain steps: lag > 3) are not an
     arm's cost: their drafting time's excess over a steady step's, per lagged token, is the
     switching cost (before any was measured: the target's prefill per prompt token, scaled by a
@@ -44,6 +44,7 @@ from .base import SPEC_TIERS, LengthPolicy, StepContext, non_negative_int, pow2_
 
 STEADY_LAG = 3     # a drafter's lag between drafting steps is 1 or 2; after one plain step up to 3
 PATIENCE = 8       # plain time before the first probe, in what the probe is predicted to lose
+MAX_PATIENCE = 64  # ... doubling after each probe up to this: a change of content is still noticed
 
 
 class _BucketCosts:
@@ -138,15 +139,15 @@ class MeasuredGoodput(LengthPolicy):
         return self.prior_slope
 
     def goodputs(self, batch_size: int) -> dict[int, float]:
-        """Predicted tokens per second (per row) of each arm; {} while nothing is measured."""
+        """Predicted tokens per second (per row) of the arms measured and of their neighbours (an
+        arm is reached one tier at a time: a line through noisy medians is no ground to jump on);
+        {} while nothing is measured."""
         costs, slope = self._costs(batch_size), self._slope(batch_size)
-        out = {}
-        for k in self.arms:
-            seconds = costs.estimate(k, slope)
-            if seconds is None:
-                return {}
-            out[k] = self.expected_tokens(k) / max(seconds, 1e-12)
-        return out
+        if not costs.seconds:
+            return {}
+        measured = [i for i, k in enumerate(self.arms) if k in costs.seconds]
+        near = {self.arms[j] for i in measured for j in (i - 1, i, i + 1) if 0 <= j < len(self.arms)}
+        return {k: self.expected_tokens(k) / max(costs.estimate(k, slope), 1e-12) for k in self.arms if k in near}
 
     def choose(self, ctx: StepContext) -> int:
         costs = self._costs(ctx.batch_size)
@@ -169,7 +170,8 @@ class MeasuredGoodput(LengthPolicy):
         loss = max(self._estimate(costs, drafting, ctx.batch_size) * (1 - goodput[drafting] / goodput[0]), 0.0)
         room = not ctx.remaining or ctx.remaining > 2 * (drafting + 1)     # for both of its steps
         if room and costs.plain_seconds > costs.patience * (switch + 2 * loss):
-            costs.plain_seconds, costs.patience, costs.probe_left = 0.0, 2 * costs.patience, 1
+            costs.plain_seconds, costs.probe_left = 0.0, 1
+            costs.patience = min(2 * costs.patience, MAX_PATIENCE)
             return drafting
         return 0
 

@@ -1,0 +1,72 @@
+"""The default draft length, MeasuredGoodput: off where nothing pays, near the best fixed k where
+something does, from the first call; in the simulator (pure Python) and in the real loop."""
+import random
+
+import pytest
+
+import hf_specdec
+from helpers import assert_same, spec
+from hf_specdec.policies import StepContext
+from hf_specdec.policies.measured import MeasuredGoodput
+from hf_specdec.serving import RelativeCosts, Simulator
+from hf_specdec.stats import StepRecord
+from hf_specdec.testing import layer_skip_pair, prompts
+
+EAGER = RelativeCosts(target_per_width=0.02, draft_base=0.9)           # host-bound: drafting never pays
+GRAPHS = RelativeCosts(target_base=0.962, target_per_token=0.038, draft_base=0.41, catch_up=3.0)
+
+
+def speed(policy, costs, acceptance, batch, seed, sim=None):
+    """Output tokens per unit time of one simulated generate() call (rows of 32-256 tokens)."""
+    lens = [random.Random(seed).randint(32, 256) for _ in range(batch)]
+    sim = sim or Simulator(costs, policy, acceptance, max_batch=batch, seed=seed, noise=0.1)
+    return sum(lens) / max(r.finish for r in sim.call(128, lens).requests), sim
+
+
+@pytest.mark.parametrize("costs,acceptance,batch,floor", [
+    (EAGER, 0.8, 1, 0.95), (EAGER, 0.95, 16, 0.95),     # nothing pays: near plain
+    (GRAPHS, 0.8, 1, 0.9), (GRAPHS, 0.95, 4, 0.9),      # k = 2 / 6 pay 1.2-1.5x: near the best of them
+])
+def test_first_call_is_near_the_best_fixed_length_or_plain(costs, acceptance, batch, floor):
+    seeds = range(4)
+    fixed = {k: sum(speed(hf_specdec.FixedLength(k), costs, acceptance, batch, s)[0] for s in seeds)
+             for k in (0, 1, 2, 4, 6, 8)}
+    first = sum(speed(MeasuredGoodput(), costs, acceptance, batch, s)[0] for s in seeds)
+    assert first >= floor * max(fixed.values()), (first / max(fixed.values()), fixed)
+
+
+def test_plain_is_no_dead_end_and_probes_thin_out():
+    """No length pays while drafts are rejected: plain steps, with probes further and further apart
+    (up to a cap); once drafts are accepted again, probes see it and drafting resumes."""
+    policy, steps, ks = MeasuredGoodput(), 0, []
+    for alpha in [0.0] * 600 + [1.0] * 200:
+        ctx = StepContext(steps, 1, 1, [0], max_lag=1)
+        k = policy.choose(ctx)
+        accepted = k if alpha else 0
+        seconds = 1.0 + 0.3 * k                    # a draft costs 0.3 of a plain step
+        policy.observe(StepRecord.of_step(ctx, k, k, [k], [accepted], draft_s=0.25 * k, verify_s=seconds - 0.25 * k))
+        ks.append(k)
+        steps += 1
+    probes = [i for i in range(1, 600) if ks[i] and not ks[i - 1]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == sorted(gaps[:4]) and gaps[3] > 2 * gaps[0] and len(probes) >= 10, probes
+    assert sum(k > 0 for k in ks[100:600]) < 0.1 * 500
+    assert min(ks[750:]) >= 4, ks[600:]             # back on within 150 steps, with long drafts
+
+
+def test_turns_itself_off_on_a_useless_draft_and_drafts_long_with_a_perfect_one():
+    """The real loop, tiny models: a deep target with a zeroed upper half, drafted by an unrelated
+    1-layer model (no draft accepted) and by its exact 1-layer cut (every draft accepted, at a
+    fraction of the cost). Outputs identical to plain generate() throughout."""
+    target, exact = layer_skip_pair(0.0, layers=8, hidden=256, vocab=512)
+    _, useless = layer_skip_pair(0.0, layers=8, hidden=256, vocab=512, seed=7)
+    ids, mask = prompts(2, seed=3, vocab=512)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=48, do_sample=False, return_dict_in_generate=True)
+    plain = target.generate(**kw).sequences
+    for draft, drafting in ((useless, lambda ks: sum(k > 0 for k in ks) <= 6), (exact, lambda ks: min(ks[2:-1]) >= 2)):
+        policy = MeasuredGoodput()
+        for call in range(2):
+            out = spec(target, [hf_specdec.ModelDrafter(draft)], policy, **kw)
+            assert_same(out.sequences, plain)
+        ks = [s.k for s in out.spec_stats.steps]
+        assert drafting(ks), ks
