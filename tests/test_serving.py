@@ -5,7 +5,7 @@ import hf_specdec
 from helpers import Scripted
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
 from hf_specdec.policies import LengthPolicy
-from hf_specdec.serving import MemoryModel, Request, Simulator, load_trace, phased, poisson
+from hf_specdec.serving import MemoryModel, RelativeCosts, Request, Simulator, load_trace, phased, poisson
 
 
 def profile(target=(0.0, 0.0, 1.0), draft=(0.0, 0.0, 0.1)):
@@ -128,6 +128,12 @@ def test_simulator_rejects_bad_arguments():
         Simulator(profile(), "fixed:2", acceptance=0.5, confidence=-0.1)
     with pytest.raises(TypeError, match="memory"):
         Simulator(profile(), "fixed:2", acceptance=0.5, memory=30)
+    with pytest.raises(ValueError, match="noise"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, noise=1.5)
+    with pytest.raises(TypeError, match="draft_offload"):
+        Simulator(profile(), "fixed:2", acceptance=0.5, draft_offload="yes")
+    with pytest.raises(TypeError, match="CostProfile"):
+        Simulator(RelativeCosts(draft_base=0.5), "adaspec", acceptance=0.5)
     with pytest.raises(ValueError, match="MemoryModel.capacity"):
         MemoryModel(capacity=-1, kv_per_token=1)
     with pytest.raises(ValueError, match="reload_seconds"):
