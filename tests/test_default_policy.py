@@ -70,3 +70,17 @@ def test_turns_itself_off_on_a_useless_draft_and_drafts_long_with_a_perfect_one(
             assert_same(out.sequences, plain)
         ks = [s.k for s in out.spec_stats.steps]
         assert drafting(ks), ks
+
+
+def test_a_dear_first_draft_does_not_hide_long_drafts_that_pay():
+    """A CPU whose wide verification takes a slower path: any drafting step costs 2.2 plain steps
+    plus 0.15 per draft, so k = 1 loses (2 tokens for 2.35) while k = 8 wins (9 tokens for 3.4). The
+    cost line of drafting steps is not the one through the plain step: the policy climbs to k = 8."""
+    policy, ks = MeasuredGoodput(), []
+    for step in range(60):
+        ctx = StepContext(step, 1, 1, [0], max_lag=1)
+        k = policy.choose(ctx)
+        seconds = 1.0 if k == 0 else 2.2 + 0.15 * k
+        policy.observe(StepRecord.of_step(ctx, k, k, [k], [k], draft_s=0.15 * k, verify_s=seconds - 0.15 * k))
+        ks.append(k)
+    assert ks[-20:] == [8] * 20, ks

@@ -66,22 +66,24 @@ class _BucketCosts:
         return {k: statistics.median(s) for k, s in sorted(self.seconds.items())}
 
     def estimate(self, k: int, prior_slope: float) -> float | None:
-        """S(k): measured, else linear through the measured arms around (or below) k; with one
-        arm measured, a line of `prior_slope` x its plain cost per draft. None: nothing measured."""
+        """S(k): measured; else, as drafting steps lie on a line a + b k (k >= 1) that need not
+        pass through the plain step's cost (a step that drafts at all may take a slower, wider
+        path: on a CPU verifying 2 tokens can cost twice 1), the line through the two nearest
+        drafting arms; with one drafting arm, its cost plus `prior_slope` plain steps per draft
+        more; from the plain cost alone, 1 + prior_slope k plain steps. None: nothing measured."""
         points = self.measured()
         if k in points:
             return points[k]
+        drafting = [j for j in points if j]
+        if len(drafting) >= 2:           # the two nearest drafting arms (k = 0: the line's intercept)
+            lo, hi = sorted(sorted(drafting, key=lambda j: (abs(j - k), j))[:2])
+            return max(points[lo] + (points[hi] - points[lo]) / (hi - lo) * (k - lo), 0.0)
         if not points:
             return None
-        below, above = [j for j in points if j < k], [j for j in points if j > k]
-        if len(points) == 1:
-            (j, s), = points.items()
-            plain = s / (1 + prior_slope * j)
-            return plain * (1 + prior_slope * k)
-        # interpolate between neighbours; beyond the measured range, extend the nearest segment
-        lo, hi = (below[-1], above[0]) if below and above else (below[-2:] if not above else above[:2])
-        slope = (points[hi] - points[lo]) / (hi - lo)
-        return max(points[lo] + slope * (k - lo), 0.0)
+        plain = points[0] if 0 in points else points[drafting[0]] / (1 + prior_slope * drafting[0])
+        if drafting and k:
+            return points[drafting[0]] + prior_slope * plain * (k - drafting[0])
+        return plain * (1 + prior_slope * k)
 
 
 class MeasuredGoodput(LengthPolicy):
@@ -128,26 +130,32 @@ class MeasuredGoodput(LengthPolicy):
         return self.buckets[key]
 
     def _slope(self, batch_size: int) -> float:
-        """A draft's cost per plain step's in the nearest bucket that measured both, else the prior."""
+        """A draft's cost in plain steps, between two drafting arms of the nearest bucket that
+        measured them and a plain step; else the prior."""
         key = pow2_bucket(batch_size)
         for other in sorted(self.buckets, key=lambda b: abs(b.bit_length() - key.bit_length())):
             points = self.buckets[other].measured()
             drafting = [k for k in points if k]
-            if 0 in points and drafting:
-                k = drafting[-1]
-                return max((points[k] / points[0] - 1) / k, 0.0)
+            if 0 in points and len(drafting) >= 2:
+                lo, hi = drafting[-2:]
+                return max((points[hi] - points[lo]) / (hi - lo) / points[0], 0.0)
         return self.prior_slope
 
     def goodputs(self, batch_size: int) -> dict[int, float]:
-        """Predicted tokens per second (per row) of the arms measured and of their neighbours (an
-        arm is reached one tier at a time: a line through noisy medians is no ground to jump on);
-        {} while nothing is measured."""
+        """Predicted tokens per second (per row) of every arm; {} while nothing is measured."""
         costs, slope = self._costs(batch_size), self._slope(batch_size)
         if not costs.seconds:
             return {}
-        measured = [i for i, k in enumerate(self.arms) if k in costs.seconds]
-        near = {self.arms[j] for i in measured for j in (i - 1, i, i + 1) if 0 <= j < len(self.arms)}
-        return {k: self.expected_tokens(k) / max(costs.estimate(k, slope), 1e-12) for k in self.arms if k in near}
+        return {k: self.expected_tokens(k) / max(costs.estimate(k, slope), 1e-12) for k in self.arms}
+
+    def _toward(self, costs: _BucketCosts, k: int) -> int:
+        """The arm to run for arm k: k once measured, else the next tier from the measured arms
+        towards it (a line through noisy medians is no ground to jump far on)."""
+        if k in costs.seconds:
+            return k
+        i = self.arms.index(k)
+        nearest = min((j for j, arm in enumerate(self.arms) if arm in costs.seconds), key=lambda j: abs(j - i))
+        return self.arms[nearest + (1 if i > nearest else -1)]
 
     def choose(self, ctx: StepContext) -> int:
         costs = self._costs(ctx.batch_size)
@@ -157,14 +165,14 @@ class MeasuredGoodput(LengthPolicy):
         drafting = max((k for k in goodput if k), key=goodput.get)
         if costs.probe_left:                  # a probe runs two steps: its catch-up, then a steady one
             costs.probe_left -= 1
-            return drafting
+            return self._toward(costs, drafting)
         switch = self._catch_up(ctx) if ctx.max_lag > STEADY_LAG else 0.0
         saved = ctx.remaining * (1 / goodput[0] - 1 / goodput[drafting]) if ctx.remaining else float("inf")
         guessed = len(costs.seconds) == 1     # no drafting arm measured here: the costs are a prior's
         if goodput[drafting] > goodput[0] and saved > switch * (1 + guessed):   # a guess pays twice over
             costs.plain_seconds, costs.patience = 0.0, PATIENCE
             costs.probe_left = int(guessed)   # measure the arm too
-            return drafting
+            return self._toward(costs, drafting)
         # no length pays (or not enough to catch the draft up): plain, with a probe once the plain
         # steps since the last drafting one took `patience` times what a probe would lose
         loss = max(self._estimate(costs, drafting, ctx.batch_size) * (1 - goodput[drafting] / goodput[0]), 0.0)
@@ -172,7 +180,7 @@ class MeasuredGoodput(LengthPolicy):
         if room and costs.plain_seconds > costs.patience * (switch + 2 * loss):
             costs.plain_seconds, costs.probe_left = 0.0, 1
             costs.patience = min(2 * costs.patience, MAX_PATIENCE)
-            return drafting
+            return self._toward(costs, drafting)
         return 0
 
     def _estimate(self, costs: _BucketCosts, k: int, batch_size: int) -> float:
