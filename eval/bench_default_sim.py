@@ -24,7 +24,6 @@ fixed k. Writes <out>.json, <out>.md and <out>.png.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path

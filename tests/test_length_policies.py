@@ -15,7 +15,6 @@ import hf_specdec
 from helpers import assert_same, spec, step_record
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable, profile, profile_prefill
 from hf_specdec.policies import StepContext
-from hf_specdec.policies.goodput import GoodputModel
 from hf_specdec.testing import build, noisy_copy, prompts
 
 ALPHA = 0.7          # per-token acceptance in the simulation
