@@ -175,16 +175,14 @@ class MeasuredGoodput(LengthPolicy):
             return self._toward(costs, drafting)
         # no length pays (or not enough to catch the draft up): plain, with a probe once the plain
         # steps since the last drafting one took `patience` times what a probe would lose
-        loss = max(self._estimate(costs, drafting, ctx.batch_size) * (1 - goodput[drafting] / goodput[0]), 0.0)
+        # a probe step's time beyond what plain steps would take for its tokens: E(k) (1/gp_k - 1/gp_0)
+        loss = max(self.expected_tokens(drafting) * (1 / goodput[drafting] - 1 / goodput[0]), 0.0)
         room = not ctx.remaining or ctx.remaining > 2 * (drafting + 1)     # for both of its steps
         if room and costs.plain_seconds > costs.patience * (switch + 2 * loss):
             costs.plain_seconds, costs.probe_left = 0.0, 1
             costs.patience = min(2 * costs.patience, MAX_PATIENCE)
             return self._toward(costs, drafting)
         return 0
-
-    def _estimate(self, costs: _BucketCosts, k: int, batch_size: int) -> float:
-        return costs.estimate(k, self._slope(batch_size))
 
     def _catch_up(self, ctx: StepContext) -> float:
         """Seconds a draft lagging ctx.max_lag tokens per row takes to catch up: as measured before
