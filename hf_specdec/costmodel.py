@@ -221,11 +221,13 @@ def model_key(model) -> str:
 PROFILER_VERSION = 2
 
 
-def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None = None) -> CostProfile:
+def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None = None, ranks=None) -> CostProfile:
     """The profile of `target` with `draft` (None: a drafter without a model) at batch sizes 1, 2,
     4, ... up to `batch_size`'s power of two: read from `cache_dir` (default
     <HF_SPECDEC_CACHE>/profiles) when measured before, else measured now (a few forwards per batch
-    size and width) and saved there."""
+    size and width) and saved there. ranks: a tensor-parallel target's `distributed.Ranks`: rank 0's
+    file decides, every rank measures (the target's forwards are collectives), rank 0's numbers
+    are kept."""
     import hashlib
     import logging
 
@@ -234,14 +236,24 @@ def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None 
     key = "\n".join([model_key(target), "none" if draft is None else model_key(draft), str(sizes),
                      f"profiler {PROFILER_VERSION}"])
     path = Path(cache_dir or default_cache() / "profiles") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    try:
-        return CostProfile.load(path)
-    except ValueError:      # not measured yet, or a file cut short: measure (again)
-        pass
+    have = None
+    if ranks is None or ranks.leads:
+        try:
+            have = CostProfile.load(path)
+        except ValueError:      # not measured yet, or a file cut short: measure (again)
+            pass
+    if ranks is not None:
+        have = ranks.share_object(have)
+    if have is not None:
+        return have
     logging.getLogger(__name__).info("profiling the target%s at batch sizes %s for the length policy (once: "
                                      "cached in %s)", "" if draft is None else " and the draft", sizes, path)
     prof = profile(target, draft, sizes, widths=(1, 3, 5, 8), contexts=(64, 256), lags=(1, 4, 16, 64),
                    repeats=2, progress=False)
+    if ranks is not None:
+        prof = ranks.share_object(prof)
+        if not ranks.leads:
+            return prof
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     prof.save(partial)

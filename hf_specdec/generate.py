@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from . import _compat, costmodel
+from . import _compat, costmodel, distributed
 from .cached_model import CachedModel
 from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
 from .offload import RESIDENT, DraftOffload, as_offload
@@ -64,18 +64,26 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     _check_call(input_ids, generation_config, model_kwargs)
     _check_cache(model, drafters, generation_config)
     sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)  # may refuse processors
-    if spec_streamer is not None:
-        spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
-
     stopping_criteria = stopping_criteria or StoppingCriteriaList()
     # generate() pads finished rows only when an EOS criterion exists; otherwise rows that a
     # criterion stopped keep producing real tokens until every row has stopped.
     freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    ranks = distributed.ranks_of(model)
+    if ranks is not None:        # tensor parallelism: every rank runs rank 0's decisions and draws
+        distributed.check(ranks, model, drafters, input_ids, draft_offload)
+        policy = distributed.RankZeroPolicy(policy, ranks)
+        if sampler.do_sample:
+            sampler.generator = ranks.shared_generator(sampler.generator, input_ids.device)
+        if not judged_by_tokens(stopping_criteria):
+            stopping_criteria = StoppingCriteriaList([distributed.RankZeroCriteria(stopping_criteria, ranks)])
+    if spec_streamer is not None:
+        spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
+
     static = generation_config.cache_implementation == "static"
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
                           pad_token_id=_compat.pad_token_id(generation_config), static_cache=static,
                           compile_config=_compat.compile_config(model, generation_config) if static else None)
-    ensure_profile(policy, model, drafters, input_ids.shape[0])
+    ensure_profile(policy, model, drafters, input_ids.shape[0], ranks)
     loop = DecodingLoop(model, batch, drafters, policy, sampler, stopping_criteria, freeze_finished, spec_streamer,
                         offload)
     stats = loop.run()
@@ -109,7 +117,7 @@ class DecodingLoop:
         self.clock = PhaseClock(self.target.device)
         self._late = []                  # (record, marks, drafter marks) of steps not yet observed
         # only generate()'s own criteria: judged in one pass (`_plain_stops`) from these two
-        self._plain_criteria = all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+        self._plain_criteria = judged_by_tokens(stopping_criteria)
         eos = [c.eos_token_id.to(batch.tokens.device).flatten() for c in stopping_criteria if type(c) is EosTokenCriteria]
         self._eos = torch.cat(eos) if eos else None
         self._max_length = min((c.max_length for c in stopping_criteria if type(c) is MaxLengthCriteria),
@@ -324,7 +332,7 @@ class DecodingLoop:
         proposals = {}
         for d in sorted(set(choice)):
             start = self.clock.mark()
-            proposals[d] = self.drafters[d].propose(self.batch, k, self.policy.length.continue_drafting)
+            proposals[d] = self.drafters[d].propose(self.batch, k, self.policy.continue_drafting)
             marks[d] = start, self.clock.mark()
         if len(proposals) == 1:
             return proposals[choice[0]]
@@ -482,6 +490,11 @@ def _pad_proposal(p: Proposal, width: int) -> Proposal:
     return Proposal(pad(p.tokens), p.lengths, pad(p.probs), pad(p.confidence))
 
 
+def judged_by_tokens(stopping_criteria) -> bool:
+    """Only generate()'s own criteria (max length, EOS): they read the tokens alone."""
+    return all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria)
+
+
 def _per_row_choice(drafter, n: int, num_drafters: int) -> list[int]:
     """A selector's choice (one index, or one per active row) as a list of n valid indices."""
     choice = [drafter] * n if isinstance(drafter, int) else list(drafter)
@@ -529,10 +542,12 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
     return drafters, policy
 
 
-def ensure_profile(policy: SpecPolicy, model, drafters: list[Drafter], batch_size: int) -> None:
+def ensure_profile(policy: SpecPolicy, model, drafters: list[Drafter], batch_size: int,
+                   ranks: distributed.Ranks | None = None) -> None:
     """A length policy made without a cost profile (AdaSpec(), DSDGoodput(), "adaspec") gets the
     cached one of this target and its costliest draft model, measured now if never before; one
-    attached so earlier is replaced when the target or the batch outgrows it."""
+    attached so earlier is replaced when the target or the batch outgrows it. ranks: a
+    tensor-parallel target's (the profile is rank 0's)."""
     length = policy.length
     if getattr(length, "use_profile", None) is None:
         return
@@ -542,7 +557,7 @@ def ensure_profile(policy: SpecPolicy, model, drafters: list[Drafter], batch_siz
         return
     models = [m for d in drafters for m in d.models()]
     draft = max(models, key=lambda m: sum(p.numel() for p in m.parameters())) if models else None
-    length.use_profile(costmodel.cached_profile(model, draft, batch_size), attached=True)
+    length.use_profile(costmodel.cached_profile(model, draft, batch_size, ranks=ranks), attached=True)
 
 
 def _check_drafters(model, assistant_models) -> list[Drafter]:

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from . import _compat
+from . import _compat, distributed
 from .drafters import ModelDrafter, PromptLookupDrafter
 from .policies import ConfidenceThreshold, HFHeuristic, SpecPolicy, StepContext, resolve_policy
 from .stats import SpecStats, StepRecord
@@ -108,6 +108,9 @@ def check(model, assistant_models, spec_policy, kwargs: dict) -> tuple[list, Spe
 def generate(model, original, args: tuple, kwargs: dict):
     """One generate() call through Transformers' assisted loop with our drafters and policy."""
     drafters, policy, threshold = check(model, kwargs.pop("assistant_models"), kwargs.pop("spec_policy", None), kwargs)
+    ranks = distributed.ranks_of(model)
+    if ranks is not None:        # tensor parallelism: every rank runs rank 0's decisions
+        policy = distributed.RankZeroPolicy(policy, ranks)
     kwargs.pop("spec_generator", None)
     generator = None
 

@@ -44,6 +44,11 @@ class SpecPolicy:
         decision = self.choose(ctx)
         return decision, max(0, min(decision.length, ctx.remaining - 1) if ctx.remaining else decision.length)
 
+    @property
+    def continue_drafting(self):
+        """The length policy's per-draft-token hook (`LengthPolicy`), None: drafts run to k."""
+        return self.length.continue_drafting
+
     def trim(self, lengths: list[int], confidences: list[list[float]]) -> list[int]:
         """Drafts each row keeps for verification: a trimming length policy's `verify_lengths`
         (AdaSpec), else all. confidences: per row, its drafts' confidences (read only if it trims)."""

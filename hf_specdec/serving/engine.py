@@ -19,6 +19,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
+from ..distributed import ranks_of
 from ..generate import DecodingLoop, check_spec_args, ensure_profile
 from ..offload import as_offload
 from ..sampling import TokenSampler
@@ -38,6 +39,9 @@ class Engine:
         for name, value in (("max_batch", max_batch), ("max_prompt_len", max_prompt_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine({name}) must be an integer >= 1, got {value!r}")
+        if ranks_of(model) is not None:
+            raise ValueError("the serving engine runs one process; a target sharded by tensor parallelism "
+                             "(distributed_config) runs through model.generate() on every rank")
         self.model = model
         self.drafters, self.policy = check_spec_args(model, assistant_models, spec_policy)
         self.offload = as_offload(draft_offload)
