@@ -237,7 +237,7 @@ def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None 
                      f"profiler {PROFILER_VERSION}"])
     path = Path(cache_dir or default_cache() / "profiles") / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     have = None
-    if ranks is None or ranks.leads:
+    if ranks is None or ranks.decides:
         try:
             have = CostProfile.load(path)
         except ValueError:      # not measured yet, or a file cut short: measure (again)
@@ -252,7 +252,7 @@ def cached_profile(target, draft, batch_size: int, cache_dir: str | Path | None 
                    repeats=2, progress=False)
     if ranks is not None:
         prof = ranks.share_object(prof)
-        if not ranks.leads:
+        if not ranks.decides:
             return prof
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")

@@ -35,12 +35,12 @@ class Ranks:
 
     group: object           # torch.distributed ProcessGroup
     source: int             # global rank of the group's rank 0: the one that decides
-    leads: bool             # this process is that rank
+    decides: bool           # this process is that rank
     device: torch.device    # where a collective's tensors live (CPU for gloo, the GPU for nccl)
 
     def share(self, values: list[int] | None, count: int) -> list[int]:
         """Rank 0's `values` (`count` ints; None on the other ranks) on every rank."""
-        if self.leads:
+        if self.decides:
             tensor = torch.tensor(values, dtype=torch.long, device=self.device)
         else:
             tensor = torch.empty(count, dtype=torch.long, device=self.device)
@@ -64,10 +64,10 @@ class Ranks:
         a new one on `device` seeded by rank 0's draw from torch's global RNG (each rank draws once,
         so the global RNGs stay in step too)."""
         if generator is not None:
-            generator.set_state(self.share_object(generator.get_state() if self.leads else None))
+            generator.set_state(self.share_object(generator.get_state() if self.decides else None))
             return generator
         seed = int(torch.randint(2 ** 62, (1,)))
-        return torch.Generator(device).manual_seed(self.share([seed] if self.leads else None, 1)[0])
+        return torch.Generator(device).manual_seed(self.share([seed] if self.decides else None, 1)[0])
 
 
 def ranks_of(model) -> Ranks | None:
@@ -77,7 +77,7 @@ def ranks_of(model) -> Ranks | None:
     if group is None:
         return None
     device = torch.device("cpu") if dist.get_backend(group) == "gloo" else _compat.execution_device(model)
-    return Ranks(group=group, source=dist.get_global_rank(group, 0), leads=dist.get_rank(group) == 0, device=device)
+    return Ranks(group=group, source=dist.get_global_rank(group, 0), decides=dist.get_rank(group) == 0, device=device)
 
 
 def check(ranks: Ranks, model, drafters, input_ids: torch.Tensor, draft_offload) -> None:
@@ -98,7 +98,7 @@ def check(ranks: Ranks, model, drafters, input_ids: torch.Tensor, draft_offload)
             raise ValueError(f"{name}'s tensor-parallel plan leaves each rank a shard of the vocabulary's logits "
                              "(its output head is not gathered); speculative decoding verifies full distributions: "
                              "use a plan whose output head gathers (\"colwise_gather_output\", as tp_plan='auto')")
-    same = ranks.share_object(input_ids.cpu() if ranks.leads else None)
+    same = ranks.share_object(input_ids.cpu() if ranks.decides else None)
     if not ranks.all_true(same.shape == input_ids.shape and bool((same == input_ids.cpu()).all())):
         raise ValueError("input_ids differ between the ranks of a tensor-parallel target: every rank must pass "
                          "the same inputs to generate()")
@@ -121,7 +121,7 @@ class RankZeroPolicy(SpecPolicy):
     def choose(self, ctx: StepContext) -> Decision:
         n = ctx.batch_size
         mine = None
-        if self.ranks.leads:
+        if self.ranks.decides:
             decision = self.policy.choose(ctx)
             drafters = [decision.drafter] * n if isinstance(decision.drafter, int) else list(decision.drafter)
             mine = [decision.length, int(self.policy.wants_feedback(ctx.step)), *drafters]
@@ -135,12 +135,12 @@ class RankZeroPolicy(SpecPolicy):
         asked, feedback = self._feedback
         if step == asked:                       # nothing is observed between a step's choice and its feedback
             return feedback
-        return bool(self.ranks.share([int(self.policy.wants_feedback(step))] if self.ranks.leads else None, 1)[0])
+        return bool(self.ranks.share([int(self.policy.wants_feedback(step))] if self.ranks.decides else None, 1)[0])
 
     def trim(self, lengths: list[int], confidences: list[list[float]]) -> list[int]:
         if self.length.verify_lengths is None:
             return lengths
-        return self.ranks.share(self.policy.trim(lengths, confidences) if self.ranks.leads else None, len(lengths))
+        return self.ranks.share(self.policy.trim(lengths, confidences) if self.ranks.decides else None, len(lengths))
 
     @property
     def continue_drafting(self):
@@ -148,10 +148,10 @@ class RankZeroPolicy(SpecPolicy):
         if hook is None:
             return None
         return lambda confidences: [bool(more) for more in self.ranks.share(
-            [int(more) for more in hook(confidences)] if self.ranks.leads else None, len(confidences))]
+            [int(more) for more in hook(confidences)] if self.ranks.decides else None, len(confidences))]
 
     def observe(self, record: StepRecord) -> None:
-        if self.ranks.leads:
+        if self.ranks.decides:
             self.policy.observe(record)
 
     def __repr__(self):
@@ -167,5 +167,5 @@ class RankZeroCriteria(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         n = input_ids.shape[0]
-        mine = [int(s) for s in self.criteria(input_ids, scores, **kwargs).tolist()] if self.ranks.leads else None
+        mine = [int(s) for s in self.criteria(input_ids, scores, **kwargs).tolist()] if self.ranks.decides else None
         return torch.tensor(self.ranks.share(mine, n), dtype=torch.bool, device=input_ids.device)
