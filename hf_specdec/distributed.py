@@ -125,7 +125,7 @@ class RankZeroPolicy(SpecPolicy):
             decision = self.policy.choose(ctx)
             drafters = [decision.drafter] * n if isinstance(decision.drafter, int) else list(decision.drafter)
             mine = [decision.length, int(self.policy.wants_feedback(ctx.step)), *drafters]
-            if len(mine) != n + 2:      # the loop names a bad selector on every rank
+            if len(mine) != n + 2:      # a bad selector's answer: -1s, which the loop refuses on every rank
                 mine = [decision.length, 0] + [-1] * n
         length, feedback, *drafters = self.ranks.share(mine, n + 2)
         self._feedback = (ctx.step, bool(feedback))

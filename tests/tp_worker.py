@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, DistributedConfig, StoppingCriter
 
 import hf_specdec
 import hf_specdec.distributed
-from hf_specdec.policies import AdaSpec, Nightjar, SpecPolicy, FixedLength
+from hf_specdec.policies import FixedLength, Nightjar, SpecPolicy
+from hf_specdec.serving import Engine
 
 args = argparse.ArgumentParser()
 args.add_argument("--models", required=True)
@@ -51,7 +52,7 @@ def record(name, fn):
             results[name] = {"tokens": out.tolist()}
         else:
             results[name] = {"tokens": out.sequences.tolist(),
-                             "steps": [[s.k, s.drafters] for s in getattr(out, "spec_stats", None).steps]}
+                             "steps": [[s.k, s.drafters] for s in out.spec_stats.steps]}
     except Exception as e:      # the error each rank raised is the result
         results[name] = {"error": f"{type(e).__name__}: {e}"}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -112,6 +113,7 @@ if args.job == "agree":
     record("bad: sharded logits", lambda: spec(target, [head_sharded], "fixed:3", ids, mask, **GREEDY))
     record("bad: offload", lambda: spec(target, [near], "fixed:3", ids, mask, draft_offload=True, **GREEDY))
     record("bad: inputs", lambda: spec(target, [near], "fixed:3", ids + rank, mask, **GREEDY))
+    record("bad: engine", lambda: Engine(target, [near]))
 
     # sampling distribution: the first two new tokens of one prompt, many seeded rows
     small, small_draft = tp("small"), load("small_draft")
