@@ -15,6 +15,7 @@ made, i.e. what the ranks' agreement costs a call.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
-import hf_specdec
 from hf_specdec import distributed
 from hf_specdec.embedded import gguf_path, load_model
 from harness import Results, generate, interleaved, speed        # eval/ is on sys.path as a script
@@ -86,15 +86,23 @@ def plot(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--methods", default="plain,hf-assisted:5@draft,fixed:4@draft,auto@draft")
     parser.add_argument("--out", default="docs/results/bench_tp/qwen-coder-tp2")
-    args = parser.parse_args()
-    methods = parse_methods(args.methods)
+    args = parser.parse_args(argv)
+    for name in ("problems", "max_new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        methods = parse_methods(args.methods)
+    except ValueError as e:
+        parser.error(str(e))
+    if "RANK" not in os.environ:
+        parser.error("run it under torchrun, e.g. torchrun --nproc-per-node 2 eval/bench_tp.py ...")
 
     path = gguf_path("qwen2.5-coder-1.5b-instruct")
     target = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,

@@ -10,7 +10,6 @@ clock runs 3x fast and its drafts sleep 20 ms a forward in the cases named "skew
 import argparse
 import datetime
 import json
-import os
 import time
 from pathlib import Path
 
