@@ -111,10 +111,9 @@ def main(argv=None):
     ranks = distributed.ranks_of(target)
     factory = MethodFactory(target, draft_model=draft)
     results = Results(Path(args.out), vars(args), markdown, plot) if ranks.decides else None
+    broadcast = broadcast_seconds(ranks)           # every rank takes part in the broadcasts
     if results is not None:
-        results.payload.update(world_size=dist.get_world_size(), broadcast_us=broadcast_seconds(ranks) * 1e6)
-    else:
-        broadcast_seconds(ranks)
+        results.payload.update(world_size=dist.get_world_size(), broadcast_us=broadcast * 1e6)
     for problem in load_problems(limit=args.problems):
         done = ranks.share([int(results.done({"problem": problem["task_id"]}))] if ranks.decides else None, 1)[0]
         if done:

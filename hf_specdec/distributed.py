@@ -86,13 +86,13 @@ def check(ranks: Ranks, model, drafters, input_ids: torch.Tensor, draft_offload)
     if draft_offload is not None and draft_offload is not False:
         raise ValueError("draft_offload is not supported under tensor parallelism: each rank would move its draft "
                          "on its own memory readings; leave it unset")
-    target_group = _compat.tensor_parallel_group(model)
+    target_ranks = dist.get_process_group_ranks(ranks.group)
     for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
                                                  for m in d.models()]:
         group = _compat.tensor_parallel_group(one)
-        if group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(target_group):
+        if group is not None and dist.get_process_group_ranks(group) != target_ranks:
             raise ValueError(f"{name} is sharded over ranks {dist.get_process_group_ranks(group)}, the target over "
-                             f"{dist.get_process_group_ranks(target_group)}: a drafter must be replicated (loaded "
+                             f"{target_ranks}: a drafter must be replicated (loaded "
                              "without distributed_config) or sharded over the target's ranks")
         if group is not None and _compat.shards_logits(one):
             raise ValueError(f"{name}'s tensor-parallel plan leaves each rank a shard of the vocabulary's logits "

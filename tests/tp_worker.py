@@ -54,6 +54,10 @@ def record(name, fn):
                              "steps": [[s.k, s.drafters] for s in out.spec_stats.steps]}
     except Exception as e:      # the error each rank raised is the result
         results[name] = {"error": f"{type(e).__name__}: {e}"}
+    save()
+
+
+def save():
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -122,7 +126,7 @@ if args.job == "agree":
                          assistant_models=[small_draft], spec_policy="fixed:1", pad_token_id=0,
                          spec_generator=torch.Generator().manual_seed(1), **sampling)
     results["distribution"] = {"tokens": out[:, prompt.shape[1]:].tolist()}
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    save()
 
 skew()
 for name, policy in {"skewed auto": "auto", "skewed nightjar": Nightjar(max_len=4, explore=1.0),
