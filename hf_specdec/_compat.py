@@ -94,11 +94,11 @@ def static_cache_position(first_slot: int, width: int, device) -> torch.Tensor:
     return torch.arange(first_slot, first_slot + width, device=device)
 
 
-def set_static_tensor(layer, name: str, tensor: torch.Tensor) -> None:
-    """Replace a StaticCache layer's `keys` or `values` (grown, or fewer rows), tagged as
-    Transformers tags its own: a fixed address that compiled graphs (CUDA graphs) read in place."""
-    setattr(layer, name, tensor)
-    torch._dynamo.mark_static_address(tensor)
+def set_static_tensors(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Point a StaticCache layer at other `keys` / `values` [rows, heads, capacity, dim] (views of
+    a larger allocation, or grown ones), of the capacity the layer then holds."""
+    layer.keys, layer.values = keys, values
+    layer.max_cache_len = keys.shape[2]
 
 
 def compile_config(model: torch.nn.Module, generation_config):
@@ -111,6 +111,11 @@ def compile_config(model: torch.nn.Module, generation_config):
     if not model._valid_auto_compile_criteria({"cache": probe, "past_key_values": probe}, generation_config):
         return None
     return generation_config.compile_config or CompileConfig(fullgraph=True)
+
+
+def attn_implementation(model: torch.nn.Module) -> str:
+    """The attention implementation `model` was loaded with ("sdpa", "eager", "flash_attention_2", ...)."""
+    return model.config._attn_implementation
 
 
 def set_static_length(cache, length: int) -> None:

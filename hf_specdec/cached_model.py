@@ -11,22 +11,17 @@ last slots into holes; slots that are holes in every row are cropped off the end
 that a catch-up forward feeds before anything new (after speculation was off, or another drafter
 was used, the lag is long; in steady state it is the 1-2 tokens of the last step).
 
-Two storages of the same slots: a dynamic cache grows by each forward's width and is cropped; a
-static one (`batch.static_cache`: Transformers' `cache_implementation="static"`) is preallocated
-to a capacity, each forward writes its width at slot `num_slots` on, rolled-back slots at the end
-of every row are stepped back over and other holes stay masked; when it is full its rows are
-compacted (real slots to the front, one gather per layer) or, if that does not free enough, it grows.
+Where the slots live is a storage's (`slots.py`): a dynamic cache, cropped, or a static one
+(`batch.static_cache`: Transformers' `cache_implementation="static"`), preallocated, kept across
+calls and, on an accelerator, run by compiled forwards.
 """
 from __future__ import annotations
 
 import torch
 
 from . import _compat
-from .compiled import compiled_forwards, rows_bucket, width_tier
 from .sequences import SequenceBatch
-
-
-STATIC_SLACK = 64   # static caches hold a call's longest row + this many slots (then compact or grow)
+from .slots import DynamicSlots, static_slots
 
 
 class CachedModel:
@@ -34,7 +29,7 @@ class CachedModel:
         self.model = model
         self.device = _compat.execution_device(model)
         self._logits_to_keep = _compat.accepts_logits_to_keep(model)
-        self.cache = None
+        self.slots = None
         self.forwards = 0   # in this generate() call
 
     def reset(self, batch: SequenceBatch, from_first_real: bool = False) -> None:
@@ -42,23 +37,13 @@ class CachedModel:
         token, so a prefill does not compute the holes of a left-padded prompt (a joiner, on its
         own, need not have them)."""
         n = len(batch.active)
-        self.static = batch.static_cache
         self.forwards = 0
-        # compiled: forwards at tier widths run compiled over `rows` = the batch's bucket (extra rows
-        # are dummies that attend slot 0 only); eager: rows = n, any width
-        self.compiled = compiled_forwards(self.model, batch.compile_config) if batch.compile_config else None
-        self.rows = rows_bucket(n) if self.compiled else n
-        if self.static:
-            self.capacity = _round_up(batch.max_length + STATIC_SLACK, STATIC_SLACK)
-            self.cache = _compat.new_static_cache(self.model, self.capacity)
+        if batch.static_cache:
+            self.slots = static_slots(self.model, batch.call, self)
+            self.slots.reset(self.model, n, batch.max_length, batch.compile_config, self.device)
         else:
-            self.capacity = 0
-            self.cache = _compat.new_cache(self.model)
-        # [rows, capacity (static) or slots (dynamic)]
-        self._slots = torch.zeros(self.rows, self.capacity, dtype=torch.bool, device=self.device)
-        if self.rows > n:
-            self._slots[n:, 0] = True
-        self.used = 0                                                                      # slots written
+            self.slots = DynamicSlots(self.model, n, self.device)
+        self.static = batch.static_cache
         self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
@@ -75,12 +60,12 @@ class CachedModel:
 
     @property
     def num_slots(self) -> int:
-        return self.used
+        return self.slots.used
 
     @property
     def slot_mask(self) -> torch.Tensor:
         """[n, slots]: whether slot s holds one of row b's tokens (a view: writes go through)."""
-        return self._slots[:len(self.num_real), :self.used]
+        return self.slots.mask
 
     @property
     def holes(self) -> bool:
@@ -130,7 +115,8 @@ class CachedModel:
         """Append `tokens` [n, w] (holes where `real` is False; None: all real); logits of the last
         `keep` slots.
 
-        Returns float32 logits [n, keep, vocab] on the device of `tokens`.
+        Returns float32 logits [n, keep, vocab] on the device of `tokens` (a copy: the next
+        compiled call may overwrite the model's own).
         """
         out_device, n = tokens.device, tokens.shape[0]
         if real is None:
@@ -138,41 +124,18 @@ class CachedModel:
         else:
             self._holes = None
         tokens, real = tokens.to(self.device), real.to(self.device)
-        end = tokens.shape[1]
-        # compiled: into an allocated cache (the first forward allocates it, eager, as a prefill does)
-        tier = width_tier(end) if self.compiled and self.used else None
-        if tier is not None:            # a compiled shape: hole slots on the right up to the tier's width
-            tokens, real = _pad_right(tokens, tier), _pad_right(real, tier)
         positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
-        width = tokens.shape[1]
-        if self.static:
-            self.reserve(width)
-            self._slots[:n, self.used:self.used + width] = real
-            cache_position = _compat.static_cache_position(self.used, width, self.device)
-            self.used += width
-            mask = self._slots          # the whole capacity is the key length (unwritten slots are 0)
-            if self.rows > n:           # dummy rows up to the bucket
-                tokens, positions = _pad_rows(tokens, self.rows), _pad_rows(positions, self.rows)
-            if tier is not None:
-                logits = self.compiled(self.model, tokens, mask, positions, cache_position,
-                                       _compat.cache_kwargs(self.model, self.cache))[:, end - keep:end]
-            else:
-                logits = self._eager(tokens, mask, positions, keep, cache_position=cache_position)
-        else:
-            self._slots = torch.cat([self._slots, real], dim=1)
-            self.used += width          # before `holes` reads the mask: the new slots may be holes
-            # no mask without holes, as generate() drops an all-ones one: building and applying it costs
-            # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
-            logits = self._eager(tokens, self._slots if self.holes else None, positions, keep)
+        logits = self.slots.forward(self, tokens, real, positions, keep)
         self.num_real += real.sum(1)
         self.forwards += 1
         return logits[:n, -keep:].to(device=out_device, dtype=torch.float32)
 
-    def _eager(self, tokens, mask, positions, keep, **kwargs) -> torch.Tensor:
+    def eager(self, cache, tokens, mask, positions, keep, **kwargs) -> torch.Tensor:
+        """The model's own forward over `cache` (for the storages): logits [rows, >= keep, vocab]."""
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
         return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                          **_compat.cache_kwargs(self.model, self.cache), **kwargs).logits
+                          **_compat.cache_kwargs(self.model, cache), **kwargs).logits
 
     def rollback(self, spec_start: int, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
         """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]` (host_keep:
@@ -218,15 +181,10 @@ class CachedModel:
         serving loop it would pile up). Positions count real slots, so nothing else moves.
         holes_from: a slot from which on every slot is a hole, known on the host: the end is cut
         there without reading the device (holes before it stay masked)."""
+        self._holes = None
         if holes_from is not None:
-            if holes_from < self.used:
-                if self.static:
-                    _compat.set_static_length(self.cache, holes_from)
-                else:
-                    _compat.crop(self.cache, self.used - holes_from)
-                    self._slots = self._slots[:, :holes_from]
-                self.used = holes_from
-            self._holes = None
+            if holes_from < self.num_slots:
+                self.slots.step_back(holes_from)
             return
         used = self.slot_mask.any(0)                                             # [slots]
         if not len(used):
@@ -235,46 +193,15 @@ class CachedModel:
         any_used, first_used, from_end = torch.stack([used.any(), used.int().argmax(),
                                                       used.flip(0).int().argmax()]).tolist()
         first_used, last_used = (first_used, len(used) - from_end) if any_used else (0, 0)
-        if self.static:       # step back over the end; holes in front stay masked until a compaction
-            if last_used < self.used:
-                self.used = last_used
-                _compat.set_static_length(self.cache, last_used)
-            self._holes = None
-            return
-        _compat.crop(self.cache, self.num_slots - last_used)
-        _compat.drop_front(self.cache, first_used)
-        self._slots = self._slots[:, first_used:last_used]
-        self.used = self._slots.shape[1]
-        self._holes = None
+        if last_used < self.num_slots:
+            self.slots.step_back(last_used)
+        if first_used:
+            self.slots.drop_front(first_used)
 
     def reserve(self, width: int) -> None:
-        """Room for `width` more slots in a static cache (a dynamic one grows anyway): compacted
-        when full (every row's real slots moved to the front, in order), grown when that is not
-        enough. Positions count real slots and keys carry their rotary positions, so moving slots
-        changes no logit. Moving slots invalidates slot indices: a caller that will roll back to
-        `num_slots` reserves the whole speculative region before reading it."""
-        if self.compiled and self.used:
-            width = width_tier(width) or width        # what `forward` will write
-        if not self.static or self.used + width <= self.capacity:
-            return
-        real = self._slots[:, :self.used]                                         # [rows, used]
-        count = real.sum(1)                                                       # [rows]
-        keep = int(count.max()) if len(count) else 0                             # a host read, rarely
-        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :keep]   # [rows, keep]
-        capacity = max(self.capacity, _round_up(keep + width, STATIC_SLACK))
-        for layer in _compat.static_layers(self.cache):
-            for name in ("keys", "values"):
-                old = getattr(layer, name)                                       # [n, heads, capacity, dim]
-                moved = old.gather(2, order[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[3]))
-                if capacity > old.shape[2]:
-                    old = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                    _compat.set_static_tensor(layer, name, old)
-                    layer.max_cache_len = capacity
-                old[:, :, :keep] = moved
-        slots = torch.zeros(len(real), capacity, dtype=torch.bool, device=self.device)
-        slots[:, :keep] = torch.arange(keep, device=self.device)[None, :] < count[:, None]
-        self._slots, self.capacity, self.used = slots, capacity, keep
-        _compat.set_static_length(self.cache, keep)
+        """Room for `width` more slots (a static cache may compact its rows, which moves slots: a
+        caller that will roll back to `num_slots` reserves the whole speculative region first)."""
+        self.slots.reserve(width)
         self._holes = None
 
     def append(self, other: "CachedModel") -> None:
@@ -283,12 +210,7 @@ class CachedModel:
         if self.static or other.static:
             raise ValueError("cache_implementation='static' is not supported by the serving engine (rows joining "
                              "a running batch); use the default cache")
-        width = max(self.num_slots, other.num_slots)
-        def pad(mask):
-            return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
-        _compat.append_rows(self.cache, len(self.fed), other.cache, len(other.fed))
-        self._slots = torch.cat([pad(self.slot_mask), pad(other.slot_mask)])
-        self.used = width
+        self.slots.append(other.slots)
         self._holes = None
         self.num_real = torch.cat([self.num_real, other.num_real])
         self.fed = torch.cat([self.fed, other.fed])
@@ -296,44 +218,12 @@ class CachedModel:
         self.forwards += other.forwards
 
     def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
-        """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more.
-        A compiled static cache keeps its bucket until the rows fit a smaller one (its tensors stay
-        where the compiled graphs read them); the rows past `len(keep)` are then dummies."""
-        on_device, m = keep.to(self.device), len(keep)
-        if self.static:
-            rows = rows_bucket(m) if self.compiled else m
-            index = torch.cat([on_device, on_device.new_zeros(rows - m)])         # [rows]: dummies read row 0
-            for layer in _compat.static_layers(self.cache):
-                for name in ("keys", "values"):
-                    picked = getattr(layer, name)[index]
-                    if rows == self.rows:
-                        getattr(layer, name).copy_(picked)
-                    else:
-                        _compat.set_static_tensor(layer, name, picked)
-            self._slots = self._slots[index]
-            self._slots[m:] = False
-            self._slots[m:, 0] = True
-            self.rows = rows
-        else:
-            _compat.select_rows(self.cache, on_device)
-            self._slots = self._slots[on_device]
+        """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
+        on_device = keep.to(self.device)
+        self.slots.select_rows(on_device)
         self.num_real = self.num_real[on_device]
         self._holes = None
         self.fed = self.fed[keep]
         self.host_fed = None if host_keep is None or self.host_fed is None else [self.host_fed[i] for i in host_keep]
         if not self.static:      # (a static cache keeps its slots; holes there cost no memory)
             self._crop_holes()   # to no slots at all when no rows are left: joiners may `append`
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def _pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[n, w] -> [n, width] with zeros (False: holes) on the right."""
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """[n, w] -> [rows, w] with zero rows below."""
-    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))

@@ -1,12 +1,19 @@
-"""A model's forward over a static KV cache, compiled once per shape and switched by reference.
+"""A model's decoding forward over a static KV cache: compiled once, captured per shape.
 
-`torch.compile` with `dynamic=False` specialises a graph to its input shapes; on a CUDA device
-`mode="reduce-overhead"` then replays it as a CUDA graph. A speculative loop meets a few shapes:
-(rows, width) with rows a power-of-two bucket of the batch and width one of `WIDTH_TIERS`
-(k + 1 verified tokens for the draft-length tiers, a drafter's one-token steps and short
-catch-ups). Each shape gets its own compiled function (a fresh code object, hence its own dynamo
-cache): no shape evicts or re-guards another, as SGLang keeps one captured graph per tier.
-Wider forwards (prefill, a long catch-up) run eager, as Transformers runs its prefill.
+`torch.compile` runs one function per model (and `CompileConfig`) with the rows and the width of
+a forward marked dynamic, so inductor compiles one graph for every decoding shape; with
+`mode="reduce-overhead"` CUDA graph trees then record one CUDA graph per concrete shape (vLLM's
+"compile once, capture per batch size"). On an H200 a 7B's compile took ~60 s and a new
+shape's recording < 0.1 s (docs/results/compile_probe/h200.md).
+
+Dynamo specialises sizes 0 and 1, which would cost a whole compile each; so a compiled forward
+is at least `MIN_ROWS` rows and `WIDTH_TIERS[0]` tokens wide (a dummy row, a hole slot: almost
+free on graphs). Rows pad to powers of two and widths to `WIDTH_TIERS`, so few shapes are
+recorded. Forwards wider than every tier (a prefill, a long catch-up) run eager, as
+Transformers runs its prefill.
+
+Under CUDA graph trees the next call of a compiled function overwrites the previous call's
+outputs: they are copied out at once (`CompiledForwards.__call__`).
 """
 from __future__ import annotations
 
@@ -15,11 +22,12 @@ import weakref
 
 import torch
 
-from .policies.base import SPEC_TIERS
-
-# widths a compiled forward takes: k + 1 for the draft-length tiers k in SPEC_TIERS, and 17 for a
-# drafter catching up after speculation was off; a width in between is padded up
-WIDTH_TIERS = tuple(k + 1 for k in SPEC_TIERS) + (17,)
+# widths a compiled forward takes: k + 1 verified tokens for draft lengths k = 1, 2, 4, 6, 8 (and a
+# one-token step, padded to 2), and 17 for a drafter catching up after speculation was off
+WIDTH_TIERS = (2, 3, 5, 7, 9, 17)
+MIN_ROWS = 2
+# the first calls of a concrete shape: under CUDA graph trees a warm-up run, then the recording
+WARMUP_CALLS = 2
 
 
 def width_tier(width: int) -> int | None:
@@ -28,44 +36,64 @@ def width_tier(width: int) -> int | None:
 
 
 def rows_bucket(rows: int) -> int:
-    """The power of two a batch of `rows` pads to (finished rows leave when it drops a bucket)."""
-    return 1 << max(rows - 1, 0).bit_length()
+    """The rows a compiled forward of `rows` real rows runs: a power of two, at least MIN_ROWS."""
+    return max(MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs):
-    # everything a decoding step varies is a tensor of fixed shape: one graph per shape
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                  cache_position=cache_position, use_cache=True, logits_to_keep=input_ids.shape[1],
                  **cache_kwargs).logits
 
 
 class CompiledForwards:
-    """A model's forward compiled with `compile_config` (Transformers' `CompileConfig`), one compiled
-    function per (rows, width, capacity)."""
+    """One model's forward compiled with `compile_config` (Transformers' `CompileConfig`).
+
+    `dynamic`: the config's True makes every size symbolic; otherwise (Transformers' default False,
+    or None) the rows and the width are marked dynamic here and other sizes (the cache's capacity)
+    follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile.
+    `warmups` counts calls that were among the first WARMUP_CALLS of their concrete shape (on a
+    GPU: compiling or recording, not a steady cost)."""
 
     def __init__(self, compile_config):
-        self.options = {**compile_config.to_dict(), "dynamic": False}
-        self.functions: dict[tuple[int, int, int], callable] = {}
+        options = compile_config.to_dict()
+        options["dynamic"] = True if options.get("dynamic") else None
+        # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object
+        fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "compiled_forward")
+        self.function, self.code = torch.compile(fresh, **options), fresh.__code__
+        self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
+        self.warmups = 0
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict) -> torch.Tensor:
-        """Logits [rows, width, vocab] of a forward at a tier shape (inputs already padded to it)."""
-        key = (*input_ids.shape, attention_mask.shape[1])
-        function = self.functions.get(key)
-        if function is None:
-            name = f"forward_{'x'.join(map(str, key))}"
-            fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, name)
-            function = self.functions[key] = torch.compile(fresh, **self.options)
-        return function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
+                 position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,
+                 cache_address: int) -> torch.Tensor:
+        """A copy of the logits [rows, width, vocab] of a forward (inputs already padded to a
+        compiled shape; cache_address: where the cache's tensors are, part of what a graph records)."""
+        for t in (input_ids, attention_mask, position_ids):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in (input_ids, position_ids):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        torch._dynamo.maybe_mark_dynamic(cache_position, 0)
+        key = (*input_ids.shape, attention_mask.shape[1], cache_address)
+        calls = self.calls[key] = self.calls.get(key, 0) + 1
+        self.warmups += calls <= WARMUP_CALLS
+        logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
+        return logits.clone()          # the next call overwrites a CUDA graph's outputs
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {options: CompiledForwards}
 
 
 def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForwards:
-    """The model's compiled forwards for this config, kept across generate() calls (compiling is slow)."""
+    """The model's compiled forward for this config, kept across generate() calls (compiling is slow)."""
     per_config = _COMPILED.setdefault(model, {})
     key = repr(sorted(compile_config.to_dict().items()))
     if key not in per_config:
         per_config[key] = CompiledForwards(compile_config)
     return per_config[key]
+
+
+def warmup_calls() -> int:
+    """Compiled calls so far, over every model, that were warm-ups of their shape: a step during
+    which this moved held one (`StepRecord.warmup`)."""
+    return sum(f.warmups for per_config in list(_COMPILED.values()) for f in per_config.values())

@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from . import _compat, costmodel, distributed
+from . import _compat, compiled, costmodel, distributed
 from .cached_model import CachedModel
 from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
 from .offload import RESIDENT, DraftOffload, as_offload
@@ -35,6 +35,7 @@ from .verify import target_verify
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV cache is preallocated
+GRAPHABLE_ATTENTION = ("sdpa", "eager")     # attention a compiled static forward can run inside a CUDA graph
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
 # (token_type_ids, pixel_values, ...) would be silently ignored by our forwards, so it is refused
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *_compat.CACHE_KWARG_NAMES}
@@ -182,7 +183,7 @@ class DecodingLoop:
     def step(self) -> StepRecord:
         """One step of the active rows: plan -> draft -> verify -> commit -> observe (the module
         docstring). On the device's side it reads at most once: the accepted counts and stops."""
-        begin = time.perf_counter()
+        begin, warmups = time.perf_counter(), compiled.warmup_calls()
         plan = self.plan()
         t0, c0 = time.perf_counter(), self.clock.mark()
         drafts, drafted = self.draft(plan)
@@ -192,6 +193,7 @@ class DecodingLoop:
         t2, c2 = time.perf_counter(), self.clock.mark()
         record, read = self.commit(plan, drafts, verified)
         record.overhead_s = time.perf_counter() - begin - (t2 - t0)
+        record.warmup = compiled.warmup_calls() != warmups
         self.stats.steps.append(record)
         self._late.append((record, (c0, c1, c2), drafted))
         if read or not self.clock.events:   # the read waited for every mark so far: reading them waits on nothing
@@ -588,10 +590,7 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
                          "decoding: hf_specdec sizes every model's cache from max_length itself")
     if generation_config.cache_implementation != "static":
         return
-    compile_config = generation_config.compile_config
-    if compile_config is not None and compile_config.dynamic:
-        raise ValueError("compile_config.dynamic=True is not supported with cache_implementation='static': "
-                         "hf_specdec compiles one graph per shape (dynamic=False or None)")
+    compiling = _compat.compile_config(model, generation_config) is not None
     for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
                                                  for m in d.models()]:
         layers = _compat.static_unsupported_layers(one)
@@ -599,6 +598,12 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
             raise ValueError(f"cache_implementation='static': {name} ({type(one).__name__}) has {layers} attention "
                              "layers, whose static caches hf_specdec cannot roll back by masking slots; use the "
                              "default cache")
+        attention = _compat.attn_implementation(one)
+        if compiling and attention not in GRAPHABLE_ATTENTION:
+            raise ValueError(f"cache_implementation='static' compiles every model's decoding forward into CUDA graphs, "
+                             f"which {name}'s attn_implementation={attention!r} cannot be captured in (it reads the "
+                             f"device); load it with attn_implementation='sdpa' (or one of {GRAPHABLE_ATTENTION}), or "
+                             "use the default cache")
 
 
 def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:

@@ -20,6 +20,7 @@ class SequenceBatch:
         batch, prompt_len = input_ids.shape
         self.static_cache = static_cache    # models keep preallocated KV caches (cache_implementation="static")
         self.compile_config = compile_config  # and compile their decoding forwards (Transformers' CompileConfig)
+        self.call = object()                # this generate() call (its views share it): who holds a kept cache
         device = input_ids.device
         self.prompt_len = prompt_len
         self.max_length = max_length

@@ -30,6 +30,9 @@ class StepRecord:
     # criteria per emitted token, retiring rows): it grows with the tokens a step emits, so a
     # policy comparing k must pay it too
     overhead_s: float = 0.0
+    # a compiled forward of this step ran a shape for one of its first times (on a GPU: compiling or
+    # recording a CUDA graph): its times are no steady cost, and policies learn none from them
+    warmup: bool = False
 
     @classmethod
     def of_step(cls, ctx, k: int, k_chosen: int, proposed: list[int], accepted: list[int],

@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_specdec
-from hf_specdec import compiled
+from hf_specdec import compiled, slots
 from hf_specdec.testing import build, circle_model, circle_continuation, noisy_copy, prompts
 from helpers import Scripted, assert_same, spec
 
@@ -22,33 +22,50 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_no_recompilation_after_warm_up_while_k_moves_across_tiers_and_the_batch_drops_buckets():
+def _graphs_per_function(*models) -> list[int]:
+    """Dynamo's cache entries (compiled graphs) of each compiled forward of these models."""
+    return [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.code))
+            for model in models for f in compiled._COMPILED[model].values()]
+
+
+def _circle_call(target, draft, ids, new, policy, eos=None):
+    """A static, compiled call of the circle pair, checked against the known continuation."""
+    vocab = target.config.vocab_size
+    expected = torch.cat([ids, circle_continuation(ids, new, vocab)], 1)
+    if eos is not None:
+        after_eos = torch.cumsum((expected == eos).long(), 1) - (expected == eos).long() > 0
+        expected[after_eos] = 0                                                      # generate() pads
+    target.generation_config.eos_token_id = eos
+    before = _graphs()
+    out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=new, do_sample=False,
+               cache_implementation="static", compile_config=_compile_config())
+    assert_same(out, expected[:, :out.shape[1]])
+    return _graphs() - before
+
+
+def test_one_graph_per_model_while_k_moves_rows_retire_calls_grow_and_shrink():
     """Rows reach EOS one after another (a circle model continues last+1, ...), so the batch drops
-    from bucket 8 to 4, 2 and 1 while k cycles through every tier. The first call compiles each
-    shape exactly once (one graph per compiled function, no graph break); the second compiles nothing."""
-    vocab, eos, new = 512, 500, 40
+    from bucket 8 to 4, 2 and 1 while k cycles through every tier: one function and one graph per
+    model (rows and width are dynamic, and never 1). A call whose cache grows recompiles each at
+    most once (its capacity becomes dynamic); a smaller batch and a second growth compile nothing.
+    Calls that need no growth reuse the same cache tensors."""
+    vocab, eos = 512, 500
     target = circle_model("toy", vocab=vocab, dtype=torch.float32)
     draft = circle_model("toy", vocab=vocab, alpha=0.7, dtype=torch.float32)
-    target.generation_config.eos_token_id = eos
     ids = torch.randint(1, 400, (8, 6), generator=torch.Generator().manual_seed(0))
     ids[:, -1] = eos - torch.tensor([3, 7, 12, 18, 25, 31, 45, 60])             # rows stop at those steps
-    ks = compiled.SPEC_TIERS
-    expected = torch.cat([ids, circle_continuation(ids, new, vocab)], 1)
-    after_eos = torch.cumsum((expected == eos).long(), 1) - (expected == eos).long() > 0
-    expected[after_eos] = 0                                                          # generate() pads
-    config = _compile_config()
-    graphs = []
-    for _ in range(2):
-        before = _graphs()
-        out = spec(target, [draft], Scripted(lambda step: ks[step % len(ks)]), input_ids=ids, max_new_tokens=new,
-                   do_sample=False, cache_implementation="static", compile_config=config)
-        assert_same(out, expected[:, :out.shape[1]])
-        graphs.append(_graphs() - before)
-    functions = sum(len(f.functions) for model in (target, draft) for f in compiled._COMPILED[model].values())
-    shapes = {key[:2] for model in (target, draft) for f in compiled._COMPILED[model].values() for key in f.functions}
-    assert {rows for rows, _ in shapes} == {8, 4, 2, 1}
-    assert {width for _, width in shapes} >= {k + 1 for k in ks}
-    assert graphs == [functions, 0], graphs
+    ks = Scripted(lambda step: compiled_ks[step % len(compiled_ks)])
+    compiled_ks = (0, 1, 2, 4, 6, 8, 3, 16)
+    assert _circle_call(target, draft, ids, 40, ks, eos) == 2                     # target + draft
+    assert _graphs_per_function(target, draft) == [1, 1]
+    address = slots._KEPT[target].full[0][0].data_ptr()
+    assert _circle_call(target, draft, ids[:3], 40, ks) == 0                      # fewer rows, same capacity
+    assert slots._KEPT[target].full[0][0].data_ptr() == address
+    assert _circle_call(target, draft, ids[:4], 300, ks) <= 2                     # 256 -> 512 slots
+    assert slots._KEPT[target].capacity == 512
+    assert _circle_call(target, draft, ids[:2], 40, ks) == 0
+    assert _circle_call(target, draft, ids[:5], 600, ks) == 0                     # 512 -> 1024 slots
+    assert max(_graphs_per_function(target, draft)) <= 2 < torch._dynamo.config.recompile_limit
     assert not counters["graph_break"]
 
 

@@ -5,7 +5,7 @@ import pytest
 from transformers import StaticCache
 
 import hf_specdec
-from hf_specdec import cached_model
+from hf_specdec import cached_model, slots
 from hf_specdec.testing import build, layer_skip_pair, noisy_copy, prompts
 from helpers import assert_same, spec
 
@@ -26,7 +26,7 @@ def test_greedy_identical_with_model_drafter_lookup_and_hierarchy(arch, monkeypa
 
     def spy(self, batch, **kwargs):
         reset(self, batch, **kwargs)
-        caches.append(self.cache)
+        caches.append(self.slots.cache)
     monkeypatch.setattr(cached_model.CachedModel, "reset", spy)
     hierarchy = hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(), hf_specdec.ModelDrafter(draft),
                                                draft_len=2, cycles=2)
@@ -39,11 +39,11 @@ def test_greedy_identical_with_model_drafter_lookup_and_hierarchy(arch, monkeypa
 def test_full_caches_are_compacted_and_grown_without_changing_a_token(monkeypatch):
     """With no slack a static cache fills within a few steps where rows accept different counts:
     its rows are compacted (and grown when that is not enough), and the output stays exact."""
-    monkeypatch.setattr(cached_model, "STATIC_SLACK", 1)
+    monkeypatch.setattr(slots, "static_capacity", lambda tokens: tokens + 1)
     moved, reserve = [], cached_model.CachedModel.reserve
 
     def counted(self, width):
-        if self.static and self.used + width > self.capacity:
+        if self.static and self.num_slots + width > self.slots.capacity:
             moved.append(width)
         return reserve(self, width)
     monkeypatch.setattr(cached_model.CachedModel, "reserve", counted)
@@ -63,7 +63,7 @@ def test_dynamic_path_is_unchanged_without_the_static_setting(monkeypatch):
 
     def spy(self, batch, **kwargs):
         reset(self, batch, **kwargs)
-        caches.append(type(self.cache).__name__)
+        caches.append(type(self.slots.cache).__name__)
     monkeypatch.setattr(cached_model.CachedModel, "reset", spy)
     spec(model, [noisy_copy(model, 0.3)], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=6)
     assert caches and set(caches) == {"DynamicCache"}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import compiled
 from ..policies import FixedLength, LengthPolicy, StepContext
 from ..sequences import SequenceBatch
 from ..stats import StepRecord
@@ -125,7 +126,7 @@ class HierarchicalDrafter(Drafter):
         positions from the row's length on, and the accepted counts [n]."""
         rows = batch.active
         length = batch.lengths[rows]
-        c0 = self.clock.mark()
+        c0, warmups = self.clock.mark(), compiled.warmup_calls()
         if kd:
             proposal = self.lower.propose(batch, kd)
             lens = proposal.lengths
@@ -149,7 +150,8 @@ class HierarchicalDrafter(Drafter):
         self.stats.accepted += sum(accepted)
         self.stats.produced += sum(accepted) + len(rows)
         self.inner_length.observe(StepRecord.of_step(ctx, kd, kd, proposed, accepted, draft_s=self.clock.seconds(c0, c1),
-                                                     verify_s=self.clock.seconds(c1, c2)))
+                                                     verify_s=self.clock.seconds(c1, c2),
+                                                     warmup=compiled.warmup_calls() != warmups))
         self._cycle += 1
         return verified.logits, verified.scores, result.num_accepted
 

@@ -139,6 +139,8 @@ class HedgeSpec(DrafterSelector):
         return out
 
     def _observe_costs(self, record: StepRecord) -> None:
+        if record.warmup:
+            return
         if record.k:
             self.last_k = record.k
             self.verify_cost = _ema(self.verify_cost, record.verify_s)

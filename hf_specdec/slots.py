@@ -1,0 +1,244 @@
+"""Where a `CachedModel`'s KV slots live: one storage per cache kind, with the same few methods.
+
+Both keep `mask` [rows, slots] (whether slot s holds a token of row b; holes are 0 in the
+attention mask) next to the KV cache, and both run the model's forward over themselves:
+  - `DynamicSlots`: Transformers' DynamicCache; grows by each forward's width, cropped at both ends.
+  - `StaticSlots`: Transformers' StaticCache (`cache_implementation="static"`): preallocated
+    `capacity` slots per row, each forward written at slot `used` on; stepping back moves `used`;
+    full: its rows are compacted, or it grows. Compiled (`compiled.py`) when the call's
+    CompileConfig says so: rows pad to a bucket (dummy rows attend slot 0 only), widths to a tier.
+    One per model, kept across generate() calls and reset in place: a smaller row bucket is a
+    view of the largest allocation, so the addresses CUDA graphs recorded stay valid.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _compat
+from .compiled import compiled_forwards, rows_bucket, width_tier
+
+
+
+def static_capacity(tokens: int) -> int:
+    """Slots per row of a static cache for rows of up to `tokens` tokens: with 64 to spare (room
+    for drafts before a compaction), a power of two, at least 256: growing is rare, and each
+    growth is a new allocation (recorded anew by CUDA graphs; a model's first may recompile)."""
+    return max(256, 1 << (tokens + 64 - 1).bit_length())
+
+
+class DynamicSlots:
+    """A DynamicCache and its slot mask, for `rows` rows (any width, eager)."""
+
+    compiled = None
+
+    def __init__(self, model: torch.nn.Module, rows: int, device):
+        self.cache = _compat.new_cache(model)
+        self.rows = rows
+        self.mask = torch.zeros(rows, 0, dtype=torch.bool, device=device)      # [rows, used]
+        self.used = 0
+
+    def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
+        """Append tokens [n, w] (real [n, w]) at positions [n, w]: logits [n, >= keep, vocab].
+        runner: the CachedModel (its `eager` forward over this cache, and whether it `holes`)."""
+        self.mask = torch.cat([self.mask, real], dim=1)
+        self.used += tokens.shape[1]
+        # no mask without holes, as generate() drops an all-ones one: building and applying it costs
+        # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
+        return runner.eager(self.cache, tokens, self.mask if runner.holes else None, positions, keep)
+
+    def reserve(self, width: int) -> None:
+        """Room for `width` more slots: a dynamic cache grows anyway."""
+
+    def step_back(self, used: int) -> None:
+        """Slots from `used` on are holes in every row: forget them."""
+        _compat.crop(self.cache, self.used - used)
+        self.mask = self.mask[:, :used]
+        self.used = used
+
+    def drop_front(self, slots: int) -> None:
+        """The first `slots` slots are holes in every row: forget them."""
+        _compat.drop_front(self.cache, slots)
+        self.mask = self.mask[:, slots:]
+        self.used -= slots
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep rows `keep` [m] (indices), in that order."""
+        _compat.select_rows(self.cache, keep)
+        self.mask = self.mask[keep]
+        self.rows = len(keep)
+
+    def append(self, other: "DynamicSlots") -> None:
+        """Take `other`'s rows after these; the side with fewer slots gets holes on the left."""
+        width = max(self.used, other.used)
+        def pad(mask):
+            return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
+        _compat.append_rows(self.cache, self.rows, other.cache, other.rows)
+        self.mask = torch.cat([pad(self.mask), pad(other.mask)])
+        self.rows, self.used = self.rows + other.rows, width
+
+
+class StaticSlots:
+    """A StaticCache of `alloc_rows` x `capacity` slots; the active rows use a view of `rows`
+    of them (a bucket when compiled), rows past the `n` real ones are dummies."""
+
+    def __init__(self):
+        self.cache, self.capacity, self.alloc_rows = None, 0, 0
+        self.full: list[tuple[torch.Tensor, torch.Tensor]] = []       # per layer (keys, values) [alloc_rows, ...]
+        self.views: dict[int, list] = {}                               # rows -> per layer views of `full`
+        self.holder = None                                             # (call, weakref to its CachedModel)
+
+    def reset(self, model: torch.nn.Module, n: int, max_length: int, compile_config, device) -> None:
+        """Empty, for `n` rows of up to `max_length` tokens: the allocation is reused when it
+        fits, else a larger one is made (grow only, as Transformers keeps its cache length)."""
+        self.compiled = compiled_forwards(model, compile_config) if compile_config else None
+        self.n, self.rows = n, rows_bucket(n) if self.compiled else n
+        needed = static_capacity(max_length)
+        if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows:
+            # allocated by the first forward (an eager prefill of `rows` rows); a growing capacity
+            # keeps the old one's size class, so a model sees few capacities (each may recompile)
+            self.capacity = max(needed, self.capacity)
+            self.cache = _compat.new_static_cache(model, self.capacity)
+            self.full, self.views, self.alloc_rows = [], {}, 0
+        else:
+            self._use_rows(self.rows)
+        self.used = 0
+        _compat.set_static_length(self.cache, 0)
+        self._mask = torch.zeros(self.alloc_rows or self.rows, self.capacity, dtype=torch.bool, device=device)
+        self._mark_dummies()
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[n, used]: the real rows' slots (a view: writes go through)."""
+        return self._mask[:self.n, :self.used]
+
+    def _mark_dummies(self) -> None:
+        self._mask[self.n:] = False
+        self._mask[self.n:, 0] = True          # a dummy row attends one slot: no empty softmax
+
+    def _use_rows(self, rows: int) -> None:
+        """Point every layer at the first `rows` rows of the allocation (views kept per row count:
+        the same tensors, the same addresses, every time)."""
+        if rows not in self.views:
+            self.views[rows] = [(k[:rows], v[:rows]) for k, v in self.full]
+            for pair in self.views[rows]:
+                for t in pair:
+                    torch._dynamo.mark_static_address(t)      # as Transformers tags its own cache tensors
+                    if self.compiled:
+                        torch._dynamo.maybe_mark_dynamic(t, 0)     # one graph for every row bucket
+        for layer, (k, v) in zip(_compat.static_layers(self.cache), self.views[rows]):
+            _compat.set_static_tensors(layer, k, v)
+        self.rows = rows
+
+    def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
+        """As `DynamicSlots.forward`; compiled at a tier shape once the cache is allocated."""
+        n, end = tokens.shape
+        tier = width_tier(end) if self.compiled and self.full else None
+        if tier is not None:          # hole slots on the right up to the tier's width
+            tokens, real, positions = (_pad_right(t, tier) for t in (tokens, real, positions))
+        width = tokens.shape[1]
+        self.reserve(width)
+        self._mask[:n, self.used:self.used + width] = real
+        cache_position = _compat.static_cache_position(self.used, width, tokens.device)
+        self.used += width
+        mask = self._mask[:self.rows]             # the whole capacity is the key length (unwritten slots are 0)
+        if self.rows > n:                         # dummy rows up to the bucket
+            tokens, positions = _pad_rows(tokens, self.rows), _pad_rows(positions, self.rows)
+        if tier is None:
+            logits = runner.eager(self.cache, tokens, mask, positions, keep, cache_position=cache_position)
+            if not self.full:                     # the first forward allocated the cache
+                self.full = [(layer.keys, layer.values) for layer in _compat.static_layers(self.cache)]
+                self.alloc_rows = self.rows
+                self._use_rows(self.rows)
+            return logits
+        logits = self.compiled(runner.model, tokens, mask, positions, cache_position,
+                               _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr())
+        return logits[:, end - keep:end]
+
+    def reserve(self, width: int) -> None:
+        """Room for `width` more slots (the tier it pads to, when compiled): compacted when full
+        (every row's real slots moved to the front, in order), grown when that is not enough.
+        Positions count real slots and keys carry their rotary positions, so moving slots changes
+        no logit. It moves slots: a caller that will step back to `used` reserves the whole
+        speculative region first."""
+        if self.compiled and self.full:
+            width = width_tier(width) or width
+        if self.used + width <= self.capacity or not self.full:
+            return
+        real = self._mask[:self.rows, :self.used]                                  # [rows, used]
+        count = real.sum(1)                                                       # [rows]
+        keep = int(count.max())                                                  # a host read, rarely
+        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :keep]   # [rows, keep]
+        capacity = max(self.capacity, static_capacity(keep + width))
+        moved = [tuple(t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])) for t in pair)
+                 for pair in self.views[self.rows]]
+        if capacity > self.capacity:            # new tensors: compiled graphs record them anew
+            self.full = [tuple(t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3]) for t in pair)
+                         for pair in self.full]
+            self.views, self.capacity = {}, capacity
+            mask = torch.zeros(self.alloc_rows, capacity, dtype=torch.bool, device=self._mask.device)
+            mask[:, :self._mask.shape[1]] = self._mask
+            self._mask = mask
+            self._use_rows(self.rows)
+        for pair, new in zip(self.views[self.rows], moved):
+            for t, m in zip(pair, new):
+                t[:, :, :keep] = m
+        self._mask[:self.rows] = False
+        self._mask[:self.rows, :keep] = torch.arange(keep, device=count.device)[None, :] < count[:, None]
+        self.used = keep
+        _compat.set_static_length(self.cache, keep)
+
+    def step_back(self, used: int) -> None:
+        self.used = used
+        _compat.set_static_length(self.cache, used)
+
+    def drop_front(self, slots: int) -> None:
+        """Holes in front stay masked until a compaction: slots are not moved for them."""
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keep rows `keep` [m]: copied to the front of the allocation (gathered first: the row
+        sets overlap); the view drops to the bucket of m rows, whose rows past m are dummies."""
+        m = len(keep)
+        rows = rows_bucket(m) if self.compiled else m
+        index = torch.cat([keep, keep.new_zeros(rows - m)])                       # [rows]: dummies copy row 0
+        if self.full:
+            picked = [tuple(t[index] for t in pair) for pair in self.views[self.rows]]
+            self._use_rows(rows)
+            for pair, new in zip(self.views[rows], picked):
+                for t, p in zip(pair, new):
+                    t.copy_(p)
+        self._mask[:rows] = self._mask[index]
+        self.n, self.rows = m, rows
+        self._mark_dummies()
+
+
+# model -> its StaticSlots, kept across generate() calls (weakly: freed with the model)
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def static_slots(model: torch.nn.Module, call: object, holder) -> StaticSlots:
+    """The model's kept static storage for `holder` (a CachedModel) in generate() call `call`; a
+    fresh one, not kept, if another CachedModel of the same call holds it (the model twice)."""
+    slots = _KEPT.get(model)
+    if slots is None:
+        slots = _KEPT[model] = StaticSlots()
+    elif slots.holder is not None and slots.holder[0] is call and slots.holder[1]() not in (None, holder):
+        slots = StaticSlots()
+    slots.holder = (call, weakref.ref(holder))
+    return slots
+
+
+def forget(model: torch.nn.Module) -> None:
+    """Free the model's kept static cache (`hf_specdec.disable`)."""
+    _KEPT.pop(model, None)
+
+
+def _pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[n, w] -> [n, width] with zeros (False: holes) on the right."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n, w] -> [rows, w] with zero rows below."""
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
