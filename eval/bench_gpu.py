@@ -42,12 +42,15 @@ from hf_specdec import _compat
 from hf_specdec.cached_model import CachedModel
 from hf_specdec.generate import DecodingLoop
 from hf_specdec.sequences import SequenceBatch
-from hf_specdec.testing import QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts
+from hf_specdec.testing import (QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts,
+                                set_circle_alpha)
 from harness import Results, generate, interleaved, speed  # eval/ is on sys.path when run as a script
 from methods import MethodFactory, parse_methods
 
 logger = logging.getLogger("bench_gpu")
-METHODS = "plain,plain/static,hf-assisted:4@draft,hf-assisted:4@draft/static,fixed:4@draft/static,auto@draft/static"
+# Transformers' assisted generation runs eager: with a static cache it compiles its target at fixed
+# shapes (CompileConfig's dynamic=False), a whole compile per verification width
+METHODS = "plain,plain/static,hf-assisted:4@draft,fixed:4@draft/static,auto@draft/static"
 
 
 class SyncCounter:
@@ -162,6 +165,7 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
     for method in methods:
         new = timing.outputs[method.name][:, ids.shape[1]:]
         row = {"tokens_per_s": tokens / vs_plain[method.name]["seconds"], "x_plain": vs_plain[method.name],
+               "first_call_s": timing.warmup_seconds.get(method.name),
                "x_static": vs_static.get(method.name, {}).get("x"),
                "identical_rows": int((new == expected).all(1).sum()), "rows": batch, "x_bound": None}
         if steps[method.name]:
@@ -206,7 +210,8 @@ def markdown(payload) -> str:
              "[min, max] of per-round speed ratios to eager and compiled plain generate(). x bound: x plain over "
              "the Leviathan bound from the measured a, c, v. syncs: host syncs per step (plain and hf-assisted: "
              "per token). identical: rows equal to the known continuation. /static methods are bounded by the "
-             "compiled forwards' costs, over plain/static.", ""]
+             "compiled forwards' costs, over plain/static. first call: the cell's untimed warm-up call (the first "
+             "cell's compiles; later cells' new shapes).", ""]
     for cell in payload["cells"]:
         alpha = f"{cell['alpha']:.2f}" if cell["alpha"] is not None else "-"
         costs = "; ".join(f"{kind}: target 1 / {args['k'] + 1} tokens {c['costs_ms']['target_1']:.1f} / "
@@ -215,8 +220,8 @@ def markdown(payload) -> str:
                           for kind, c in ((kind, cell[kind]) for kind in ("eager", "static") if kind in cell))
         lines += [f"**{cell['pair']}, built a = {cell['alpha_built']}, batch {cell['batch']}**: measured a = "
                   f"{alpha}; forwards {costs}", "",
-                  "| method | tokens/s | x plain | x static | x bound | mean k | MAT | syncs | identical |",
-                  "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+                  "| method | tokens/s | x plain | x static | x bound | mean k | MAT | syncs | identical | first call s |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
         for name, r in cell["methods"].items():
             if "error" in r:
                 lines.append(f"| {name} | failed: {r['error'][:120]} |")
@@ -225,7 +230,8 @@ def markdown(payload) -> str:
             fmt = lambda v, f=".2f": "-" if v is None else format(v, f)  # noqa: E731
             lines.append(f"| {name} | {r['tokens_per_s']:.0f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
                          f"{fmt(r['x_static'])} | {fmt(r['x_bound'])} | {fmt(r.get('mean_k'))} | {fmt(r.get('mat'))} | "
-                         f"{fmt(r.get('syncs'), '.1f')} | {r['identical_rows']}/{r['rows']} |")
+                         f"{fmt(r.get('syncs'), '.1f')} | {r['identical_rows']}/{r['rows']} | "
+                         f"{fmt(r.get('first_call_s'), '.1f')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -297,9 +303,8 @@ def main(argv=None):
     results = Results(Path(args.out), vars(args), markdown, plot)
     for target_size, draft_size in pairs:
         pair = f"{target_size}/{draft_size}"
-        target = None
+        target = draft = None
         for alpha in alphas:
-            draft = None
             for batch in batch_sizes:
                 if results.done({"pair": pair, "alpha_built": alpha, "batch": batch}):
                     continue
@@ -308,7 +313,9 @@ def main(argv=None):
                                    pair, alpha, batch)
                     return
                 target = target or circle_model(target_size, args.vocab, device=device, dtype=dtype)
-                draft = draft or circle_model(draft_size, args.vocab, alpha=alpha, device=device, dtype=dtype)
+                if draft is None:      # one draft model for every alpha: its compiled forward is kept
+                    draft = circle_model(draft_size, args.vocab, device=device, dtype=dtype)
+                set_circle_alpha(draft, alpha)
                 cell = run_cell(target, draft, methods, batch, alpha, args, device)
                 logger.info("wrote %s", results.add({"pair": pair, **cell}))
 

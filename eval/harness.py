@@ -43,9 +43,11 @@ def generate(model, factory: MethodFactory, method: Method, **kwargs):
 
 @dataclass
 class Timing:
-    """What `interleaved` measured: seconds[method] per timed round, each method's last output, and
-    the error of each method that raised (it runs no more rounds and has no seconds)."""
+    """What `interleaved` measured: seconds[method] per timed round, the seconds of its untimed
+    warm-up call (compiling, on an accelerator), each method's last output, and the error of each
+    method that raised (it runs no more rounds and has no seconds)."""
     seconds: dict[str, list[float]] = field(default_factory=dict)
+    warmup_seconds: dict[str, float] = field(default_factory=dict)
     outputs: dict[str, object] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -78,6 +80,8 @@ def interleaved(methods: list[Method], run: Callable[[Method], object], rounds: 
             sync()
             if r >= warmup:
                 timing.seconds[method.name].append(time.perf_counter() - start)
+            else:
+                timing.warmup_seconds[method.name] = time.perf_counter() - start
     return timing
 
 

@@ -116,18 +116,9 @@ def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: 
     device = torch.device(device or "cpu")
     with torch.device(device):                      # built where it runs, in its dtype: 7B in seconds on a GPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
-    freqs = torch.randint(1, vocab, (hidden // 2,), generator=gen).to(device)
-    x = torch.arange(vocab, device=device)
-    angle = (freqs[None, :] * x[:, None]) % vocab * (2 * torch.pi / vocab)        # [vocab, hidden/2]
-    rows = torch.cat([angle.cos(), angle.sin()], dim=1)                          # [vocab, hidden]
-    embedding = rows.clone()
-    if alpha < 1.0:
-        wrong = (torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) >= alpha).to(device)
-        embedding[wrong] = rows[(x[wrong] + 1) % vocab]
+    set_circle_alpha(model, alpha, seed)
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(embedding)
-        model.lm_head.weight.copy_(rows.roll(1, dims=0))                          # row v = row v-1
+        model.lm_head.weight.copy_(_circle_rows(model, seed).roll(1, dims=0))     # row v = row v-1
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
@@ -136,7 +127,49 @@ def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: 
     return model.eval()
 
 
+def _circle_rows(model, seed: int) -> torch.Tensor:
+    """[vocab, hidden]: row x = (cos 2*pi*f*x/V, sin 2*pi*f*x/V) over hidden/2 integer frequencies f."""
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    device = model.lm_head.weight.device
+    freqs = torch.randint(1, vocab, (hidden // 2,), generator=torch.Generator().manual_seed(seed)).to(device)
+    angle = (freqs[None, :] * torch.arange(vocab, device=device)[:, None]) % vocab * (2 * torch.pi / vocab)
+    return torch.cat([angle.cos(), angle.sin()], dim=1)
+
+
+def set_circle_alpha(model, alpha: float, seed: int = 0) -> None:
+    """Rewire a `circle_model`'s input embedding, in place, for per-token acceptance about alpha
+    (1.0: the target's own): the same model, so its compiled forwards and cache are kept."""
+    rows = _circle_rows(model, seed)
+    vocab = len(rows)
+    if alpha < 1.0:
+        x = torch.arange(vocab, device=rows.device)
+        wrong = (torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)) >= alpha).to(rows.device)
+        rows[wrong] = rows[(x[wrong] + 1) % vocab].clone()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(rows)
+
+
 def circle_continuation(input_ids: torch.Tensor, new_tokens: int, vocab: int = QWEN2_VOCAB) -> torch.Tensor:
     """What greedy decoding of a `circle_model` appends to input_ids [batch, p]: [batch, new_tokens]."""
     steps = torch.arange(1, new_tokens + 1, device=input_ids.device)
     return (input_ids[:, -1:] + steps) % vocab
+
+
+def overwriting_backend(graph_module, example_inputs, **options):
+    """A dynamo backend with CUDA graph trees' output semantics, on any device: each call of a
+    graph compiled by it NaN-fills (-1 for integers) the outputs of the previous such call, as a
+    graph's next run frees or overwrites them. Outputs that alias an input (a cache) stay."""
+    held = _OVERWRITTEN
+
+    def run(*args):
+        for t in held:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+        out = graph_module(*args)
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        held[:] = [o for o in torch.utils._pytree.tree_leaves(out)
+                   if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs]
+        return out
+    return run
+
+
+_OVERWRITTEN: list = []   # the outputs of the last call of any graph compiled by `overwriting_backend`

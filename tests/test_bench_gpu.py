@@ -88,4 +88,4 @@ def test_compiled_forward_costs_are_measured_on_the_static_path():
     config = CompileConfig(fullgraph=True, backend="eager")
     ids = torch.randint(1, 1000, (2, 12))
     assert bench_gpu.forward_ms(model, ids, 5, reps=2, compile_config=config) > 0
-    assert [key[:2] for key in compiled.compiled_forwards(model, config).functions] == [(2, 5)]
+    assert [key[:2] for key in compiled.compiled_forwards(model, config).calls] == [(2, 5)]

@@ -1,13 +1,15 @@
 """cache_implementation="static" with compiled forwards (Transformers' rule: on CUDA-like devices,
 or anywhere with `compile_config._compile_all_devices`). Compiled here with dynamo's "eager"
 backend: the same graphs, guards and recompilations as inductor, without its code generation."""
+import math
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_specdec
-from hf_specdec import compiled, slots
+from hf_specdec import compiled, slots, testing
 from hf_specdec.testing import build, circle_model, circle_continuation, noisy_copy, prompts
 from helpers import Scripted, assert_same, spec
 
@@ -83,3 +85,74 @@ def test_compiled_greedy_identical_with_model_drafter_lookup_and_hierarchy(arch)
                    cache_implementation="static", compile_config=_compile_config())
         assert_same(out, plain)
     assert compiled._COMPILED[model] and compiled._COMPILED[draft]
+
+
+def _records(out):
+    return [(s.k, s.proposed, s.accepted) for s in out.spec_stats.steps]
+
+
+def _overwrite_cases(model, draft, other):
+    from test_length_policies import toy_profile
+    profile = toy_profile()
+    hierarchy = lambda: hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(),  # noqa: E731
+                                                       hf_specdec.ModelDrafter(draft), draft_len=2, cycles=2)
+    return {
+        "model drafter": (lambda: [draft], lambda: "fixed:3", False),
+        "hierarchy greedy": (lambda: [hierarchy()], lambda: "fixed:3", False),
+        "hierarchy sampling": (lambda: [hierarchy()], lambda: "fixed:3", True),
+        "adaspec": (lambda: [draft], lambda: hf_specdec.AdaSpec(profile, max_len=6), False),
+        "adaspec hierarchy": (lambda: [hierarchy()], lambda: hf_specdec.AdaSpec(profile, max_len=6), False),
+        "hedgespec": (lambda: [draft, other], lambda: hf_specdec.SpecPolicy(selector=hf_specdec.HedgeSpec(seed=0),
+                                                                         length=hf_specdec.FixedLength(3)), False),
+        "hedgespec sampling": (lambda: [draft, other], lambda: hf_specdec.SpecPolicy(
+            selector=hf_specdec.HedgeSpec(seed=0), length=hf_specdec.FixedLength(3)), True),
+    }
+
+
+@pytest.mark.parametrize("case", ["model drafter", "hierarchy greedy", "hierarchy sampling", "adaspec",
+                                  "adaspec hierarchy", "hedgespec", "hedgespec sampling"])
+def test_outputs_overwritten_by_the_next_compiled_call_change_nothing(case):
+    """CUDA graph trees overwrite a compiled call's outputs at the next call: with a backend that
+    does so (NaN-filling them), every step record and token is the eager backend's, and greedy
+    output is plain generate()'s."""
+    model = build("llama", 2, seed=0, vocab=256)
+    draft, other = noisy_copy(model, 0.3), noisy_copy(model, 0.6, seed=2)
+    drafters, policy, do_sample = _overwrite_cases(model, draft, other)[case]
+    ids, mask = prompts(3, seed=3, min_len=3, max_len=12, vocab=256)
+    runs = []
+    for backend in ("eager", testing.overwriting_backend):
+        config = CompileConfig(fullgraph=True, backend=backend)
+        config._compile_all_devices = True
+        out = spec(model, drafters(), policy(), input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                   do_sample=do_sample, spec_generator=torch.Generator().manual_seed(0), cache_implementation="static",
+                   compile_config=config, return_dict_in_generate=True)
+        gammas = [g for s in out.spec_stats.steps if s.gammas for row in s.gammas.values() for g in row]
+        assert not any(math.isnan(x) for g in gammas for x in g)
+        runs.append(out)
+    assert _records(runs[0]) == _records(runs[1])
+    assert_same(runs[0].sequences, runs[1].sequences)
+    if not do_sample:
+        assert_same(runs[1].sequences, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                                                     do_sample=False))
+
+
+def test_real_inductor_on_the_cpu_is_exact_and_compiles_once():
+    """The real inductor backend (code generation and all), as a GPU runs it minus the CUDA graphs:
+    a batch drafting with prompt lookup (one compiled model; the prompts hold the continuation's
+    first tokens, so drafts are found and accepted), identical to plain, and a second call with
+    another batch size and other draft lengths compiles nothing."""
+    target = circle_model("toy", vocab=512, dtype=torch.float32)
+    ids = torch.stack([torch.cat([torch.arange(s + 5, s + 13), torch.arange(s, s + 5)]) for s in (20, 100, 300)])
+    mask = torch.ones_like(ids)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    graphs = []
+    for rows, policy in ((3, "fixed:4"), (2, "fixed:2")):
+        before = _graphs()
+        out = spec(target, [hf_specdec.PromptLookupDrafter()], policy, input_ids=ids[:rows],
+                   attention_mask=mask[:rows], max_new_tokens=24, do_sample=False, cache_implementation="static",
+                   compile_config=config, return_dict_in_generate=True)
+        assert torch.equal(out.sequences[:, ids.shape[1]:], circle_continuation(ids[:rows], 24, 512))
+        assert sum(sum(s.accepted) for s in out.spec_stats.steps) > 5
+        graphs.append(_graphs() - before)
+    assert graphs == [1, 0]

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# `make gpu-check`, on a lent GPU machine (its own torch with CUDA; no package index, no model hub):
+# installs the wheels `make gpu-wheels` carried into a target folder, runs the CUDA tests, then
+# eval/bench_gpu.py within a budget (each cell written as it finishes; a rerun resumes).
+#   RESULTS  where results go (default docs/results/bench_gpu); BUDGET_S  start no cell after (s)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SITE=${SITE:-/tmp/hf_specdec_site}
+RESULTS=${RESULTS:-docs/results/bench_gpu}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS"
+name=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())") || exit 1
+timeout "${TEST_TIMEOUT_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$RESULTS/$name-tests.log"
+python3 eval/bench_gpu.py --out "$RESULTS/$name" --pairs 7b/0.5b --alphas 0.8,0.95 --batch-sizes 1,16 \
+    --budget-s "${BUDGET_S:-300}" 2>&1 | tee "$RESULTS/$name-bench.log"
