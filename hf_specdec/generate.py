@@ -191,8 +191,11 @@ class DecodingLoop:
         verified = target_verify(self.target, self.batch, drafts.tokens, drafts.lengths, drafts.probs, self.sampler,
                                  rollback=False)
         t2, c2 = time.perf_counter(), self.clock.mark()
-        record, read = self.commit(plan, drafts, verified)
-        record.overhead_s = time.perf_counter() - begin - (t2 - t0)
+        record, read, waited = self.commit(plan, drafts, verified)
+        # the host's own work: not its wait in the read for the device's drafting and verifying,
+        # which the clock's marks already time (on a GPU they would count twice, and only on
+        # steps that read: plain steps would look cheap)
+        record.overhead_s = time.perf_counter() - begin - (t2 - t0) - waited
         record.warmup = compiled.warmup_calls() != warmups
         self.stats.steps.append(record)
         self._late.append((record, (c0, c1, c2), drafted))
@@ -238,11 +241,11 @@ class DecodingLoop:
         batch.write(rows, start, proposal.tokens[:, :width])
         return Proposal(proposal.tokens[:, :width], lengths, probs, host_lengths=host_lengths), drafted
 
-    def commit(self, plan: StepPlan, drafts: Proposal, verified) -> tuple[StepRecord, bool]:
+    def commit(self, plan: StepPlan, drafts: Proposal, verified) -> tuple[StepRecord, bool, float]:
         """Each row keeps its accepted drafts + 1 token, cut at a stop; every cache forgets the
         rest; finished rows retire; drafters are scored if the selector learns so. One host read
         (the drafted and accepted counts and the stops), none on a plain step no row can stop in.
-        Returns the step's record and whether it read the device."""
+        Returns the step's record, whether it read the device and the seconds the read waited."""
         batch, rows, start = self.batch, self.batch.active, plan.start
         result, width = verified.result, drafts.tokens.shape[1]
         batch.tokens[rows, start + result.num_accepted] = result.next_tokens
@@ -250,10 +253,12 @@ class DecodingLoop:
         stops = self.stop_lengths(rows, start, emitted, width + 1, self.longest)     # [n] or None
         read = bool(width) or stops is not None
         proposed = accepted = [0] * len(plan.choice)
-        host_stops = None
+        host_stops, waited = None, 0.0
         if read:
             numbers = [drafts.lengths, result.num_accepted] + ([stops] if stops is not None else [])
-            proposed, accepted, *host_stops = torch.stack(numbers).tolist()   # the one host read
+            waited = time.perf_counter()
+            proposed, accepted, *host_stops = host_read(torch.stack(numbers))   # the one host read
+            waited = time.perf_counter() - waited
         self.target.rollback(verified.spec_start, result.num_accepted, accepted)
         for d in {c for c in plan.choice if c >= 0}:
             mine = [c == d for c in plan.choice]
@@ -280,7 +285,7 @@ class DecodingLoop:
         if len(batch.active) and resident and self.policy.wants_feedback(ctx.step):
             start, scores = (start, verified.scores) if keep is None else (start[keep], verified.scores[keep])
             self.feedback(record, start, scores)
-        return record, read
+        return record, read, waited
 
     def observe_late(self) -> None:
         """Fill the pending steps' phase times from their clock marks, then let the policy observe
@@ -483,6 +488,11 @@ class StepPlan:
     choice: list[int]                # each active row's drafter (-1: none)
     start: torch.Tensor              # [n] the active rows' lengths
     host_start: list[int]            # the same on the host
+
+
+def host_read(numbers: torch.Tensor) -> list:
+    """The step's one read of the device: it waits for the work queued before it."""
+    return numbers.tolist()
 
 
 def _pad_proposal(p: Proposal, width: int) -> Proposal:

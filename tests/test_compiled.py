@@ -1,7 +1,9 @@
 """cache_implementation="static" with compiled forwards (Transformers' rule: on CUDA-like devices,
 or anywhere with `compile_config._compile_all_devices`). Compiled here with dynamo's "eager"
 backend: the same graphs, guards and recompilations as inductor, without its code generation."""
+import importlib
 import math
+import time
 
 import pytest
 import torch
@@ -156,3 +158,47 @@ def test_real_inductor_on_the_cpu_is_exact_and_compiles_once():
         assert sum(sum(s.accepted) for s in out.spec_stats.steps) > 5
         graphs.append(_graphs() - before)
     assert graphs == [1, 0]
+
+
+def _sleeping_backend(graph_module, example_inputs, **options):
+    """Dynamo's eager backend, but a graph's first call sleeps 0.3 s (as a GPU compiles or records)."""
+    first = [True]
+
+    def run(*args):
+        if first[0]:
+            time.sleep(0.3)
+            first[0] = False
+        return graph_module(*args)
+    return run
+
+
+def test_steps_that_compiled_are_marked_and_no_policy_cost():
+    target = circle_model("toy", vocab=512, dtype=torch.float32)
+    draft = circle_model("toy", vocab=512, alpha=0.8, dtype=torch.float32)
+    ids = torch.randint(1, 400, (2, 6), generator=torch.Generator().manual_seed(1))
+    config = CompileConfig(fullgraph=True, backend=_sleeping_backend)
+    config._compile_all_devices = True
+    policy = hf_specdec.SpecPolicy(length=hf_specdec.MeasuredGoodput())
+    out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=40, do_sample=False,
+               cache_implementation="static", compile_config=config, return_dict_in_generate=True)
+    steps = out.spec_stats.steps
+    assert [s.step for s in steps if s.seconds > 0.25] and all(s.warmup for s in steps if s.seconds > 0.25)
+    assert not all(s.warmup for s in steps)
+    measured = [t for costs in policy.length.buckets.values() for arm in costs.seconds.values() for t in arm]
+    assert measured and max(measured) < 0.25
+
+
+def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch):
+    """On a GPU the one host read waits for the drafting and verifying that the clock's marks
+    already time: overhead_s must not count it again (emulated: a read that takes 50 ms)."""
+    loop = importlib.import_module("hf_specdec.generate")     # (hf_specdec.generate is the function)
+    read = loop.host_read
+
+    def slow(numbers):
+        time.sleep(0.05)
+        return read(numbers)
+    monkeypatch.setattr(loop, "host_read", slow)
+    model = build("llama", 2, seed=0)
+    out = spec(model, [noisy_copy(model, 0.3)], "fixed:3", input_ids=prompts(2, seed=1)[0], max_new_tokens=12,
+               do_sample=False, return_dict_in_generate=True)
+    assert max(s.overhead_s for s in out.spec_stats.steps) < 0.04
