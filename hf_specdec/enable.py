@@ -15,7 +15,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from . import assisted, transformers_loop
+from . import assisted, slots, transformers_loop
 from .generate import check_spec_args
 from .generate import generate as spec_generate
 
@@ -92,7 +92,9 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
 
 
 def disable(model):
-    """Undo `enable`: `model.generate` is the original again. Returns `model`."""
+    """Undo `enable`: `model.generate` is the original again, and the static cache kept for it
+    (`cache_implementation="static"`) is freed. Returns `model`."""
+    slots.forget(model)
     if not hasattr(model, _ATTR):
         return model
     previous = getattr(model, _ATTR)

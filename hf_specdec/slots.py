@@ -154,6 +154,8 @@ class StaticSlots:
             return logits
         logits = self.compiled(runner.model, tokens, mask, positions, cache_position,
                                _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr())
+        if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
+            self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits[:, end - keep:end]
 
     def reserve(self, width: int) -> None:

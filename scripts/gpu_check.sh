@@ -2,7 +2,8 @@
 # `make gpu-check`, on a lent GPU machine (its own torch with CUDA; no package index, no model hub):
 # installs the wheels `make gpu-wheels` carried into a target folder, runs the CUDA tests, then
 # eval/bench_gpu.py within a budget (each cell written as it finishes; a rerun resumes).
-#   RESULTS  where results go (default docs/results/bench_gpu); BUDGET_S  start no cell after (s)
+#   RESULTS  where results go (default docs/results/bench_gpu); BUDGET_S  start no cell after (s);
+#   HF_SPECDEC_COMMIT  the commit the results are stamped with (a copy whose git HEAD is stale)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/hf_specdec_site}

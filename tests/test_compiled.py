@@ -202,3 +202,32 @@ def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch):
     out = spec(model, [noisy_copy(model, 0.3)], "fixed:3", input_ids=prompts(2, seed=1)[0], max_new_tokens=12,
                do_sample=False, return_dict_in_generate=True)
     assert max(s.overhead_s for s in out.spec_stats.steps) < 0.04
+
+
+def test_attention_that_graphs_cannot_capture_is_refused_before_any_work():
+    """FlashAttention's padded path reads the device: a compiled static call refuses it, naming
+    attn_implementation, before any forward (the model's config says what it was loaded with)."""
+    model = build("llama", 2, seed=0)
+    draft = noisy_copy(model, 0.3)
+    draft.config._attn_implementation = "flash_attention_2"       # as loaded with attn_implementation=...
+    ids, mask = prompts(2, seed=1)
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match="assistant_models\\[0\\].*attn_implementation='flash_attention_2'"):
+        spec(model, [draft], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=4,
+             cache_implementation="static", compile_config=_compile_config())
+    assert not forwards
+    # uncompiled (a CPU without _compile_all_devices) it is no obstacle: the static cache runs eager
+    draft.config._attn_implementation = "eager"
+    assert_same(spec(model, [draft], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                     cache_implementation="static"),
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+
+
+def test_the_target_as_its_own_drafter_gets_a_second_static_cache():
+    model = build("llama", 2, seed=0)
+    ids, mask = prompts(3, seed=4)
+    out = spec(model, [model], "fixed:3", input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+               cache_implementation="static", compile_config=_compile_config(), return_dict_in_generate=True)
+    assert_same(out.sequences, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    assert all(a == p for s in out.spec_stats.steps for a, p in zip(s.accepted, s.proposed))   # its own drafts
