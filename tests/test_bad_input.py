@@ -131,13 +131,9 @@ def _sliding_window_model():
 @pytest.mark.parametrize("setting,match", [
     (dict(cache_implementation="offloaded"), "cache_implementation='offloaded'"),
     (dict(cache_implementation="static", cache_config={"max_cache_len": 64}), "cache_config="),
-    (dict(cache_implementation="static", compile_config="dynamic"), r"compile_config.dynamic=True"),
     (dict(cache_implementation="static", assistant="sliding"), r"assistant_models\[0\] .*sliding-window"),
 ])
 def test_cache_settings_the_static_path_cannot_honour(models, setting, match):
-    from transformers import CompileConfig
     setting = dict(setting)
     drafters = [_sliding_window_model()] if setting.pop("assistant", None) else None
-    if setting.get("compile_config") == "dynamic":
-        setting["compile_config"] = CompileConfig(dynamic=True)
     check_error(models, ValueError, match, drafters=drafters, **setting)
