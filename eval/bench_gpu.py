@@ -134,6 +134,12 @@ def forward_ms(model, ids: torch.Tensor, width: int, reps: int, compile_config=N
     return 1e3 * statistics.median(times[3:])
 
 
+def _compile_seconds() -> float:
+    """Seconds dynamo has spent compiling frames so far (tracing and the backend's compile)."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+
 def leviathan_bound(alpha: float, k: int, c: float, v: float) -> float:
     """Expected speed over plain decoding of k drafts a step at per-token acceptance alpha, a draft
     step costing c and a verification v target steps (Leviathan et al. 2023, Theorem 3.8 with v)."""
@@ -156,7 +162,9 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
                        return_dict_in_generate=True)
         steps[method.name] = out.spec_stats.steps if method.ours else None
         return out.sequences
+    compiling = _compile_seconds()
     timing = interleaved(methods, run, args.rounds, device=device, keep_going=True)
+    compiling = _compile_seconds() - compiling
     tokens = batch * args.max_new_tokens
     rows = {name: {"error": error} for name, error in timing.errors.items()}
     methods = [m for m in methods if m.name not in timing.errors]
@@ -183,7 +191,8 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
                     row["x_plain"]["x"])
     measured = next((rows[m.name]["alpha"] for m in methods if m.name.startswith(f"fixed:{args.k}@")), None)
     a = measured if measured is not None else alpha
-    cell = {"alpha_built": alpha, "batch": batch, "alpha": measured, "methods": rows}
+    # dynamo's own account of the cell's compiles (every method's, Transformers' included)
+    cell = {"alpha_built": alpha, "batch": batch, "alpha": measured, "methods": rows, "compile_s": compiling}
     # eager costs bound eager methods (over plain); compiled costs bound /static ones (over plain/static)
     compiled = _compat.compile_config(target, GenerationConfig(cache_implementation="static"))
     for kind, config, ratio in (("eager", None, "x_plain"), ("static", compiled, "x_static")):
@@ -219,7 +228,7 @@ def markdown(payload) -> str:
                           f"{c['c']:.2f}, v = {c['v']:.2f}), bound {c['bound']:.2f}x plain {kind}"
                           for kind, c in ((kind, cell[kind]) for kind in ("eager", "static") if kind in cell))
         lines += [f"**{cell['pair']}, built a = {cell['alpha_built']}, batch {cell['batch']}**: measured a = "
-                  f"{alpha}; forwards {costs}", "",
+                  f"{alpha}; forwards {costs}; compiling in the cell (every method) {cell.get('compile_s', 0):.0f} s", "",
                   "| method | tokens/s | x plain | x static | x bound | mean k | MAT | syncs | identical | first call s |",
                   "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
         for name, r in cell["methods"].items():

@@ -258,6 +258,18 @@ def own_candidate_generator(model, call: dict, assistant=None, lookup_tokens: in
     return generator
 
 
+def sync_candidate_generator(generator, length: int) -> None:
+    """Bring a model assistant's mask and positions to a sequence of `length` tokens before it
+    drafts. Transformers' own loop asks its generator every step, from the prompt on, and the
+    generator extends them only once it holds a cache; ours skips it on plain steps (k = 0) and
+    for drafters the policy did not pick, so it may first draft, or draft again, further on."""
+    if isinstance(generator, AssistedCandidateGenerator):
+        from transformers.generation.candidate_generator import _prepare_attention_mask, _prepare_position_ids
+        encoder_decoder = generator.assistant_model.config.is_encoder_decoder
+        generator.assistant_kwargs = _prepare_attention_mask(generator.assistant_kwargs, length, encoder_decoder)
+        generator.assistant_kwargs = _prepare_position_ids(generator.assistant_kwargs, length, encoder_decoder)
+
+
 def set_candidate_length(generator, k: int) -> None:
     if isinstance(generator, PromptLookupCandidateGenerator):
         generator.num_output_tokens = k

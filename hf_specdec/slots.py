@@ -31,8 +31,6 @@ def static_capacity(tokens: int) -> int:
 class DynamicSlots:
     """A DynamicCache and its slot mask, for `rows` rows (any width, eager)."""
 
-    compiled = None
-
     def __init__(self, model: torch.nn.Module, rows: int, device):
         self.cache = _compat.new_cache(model)
         self.rows = rows
@@ -96,8 +94,7 @@ class StaticSlots:
         self.n, self.rows = n, rows_bucket(n) if self.compiled else n
         needed = static_capacity(max_length)
         if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows:
-            # allocated by the first forward (an eager prefill of `rows` rows); a growing capacity
-            # keeps the old one's size class, so a model sees few capacities (each may recompile)
+            # (allocated by the first forward: an eager prefill of `rows` rows)
             self.capacity = max(needed, self.capacity)
             self.cache = _compat.new_static_cache(model, self.capacity)
             self.full, self.views, self.alloc_rows = [], {}, 0

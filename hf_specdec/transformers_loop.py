@@ -22,6 +22,7 @@ import torch
 
 from . import _compat, distributed
 from .drafters import ModelDrafter, PromptLookupDrafter
+from .generate import ensure_profile
 from .policies import ConfidenceThreshold, HFHeuristic, SpecPolicy, StepContext, resolve_policy
 from .stats import SpecStats, StepRecord
 
@@ -51,6 +52,7 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
             for j in range(len(self.children)) if self.scoring else [self.drafter]:
                 begin = time.perf_counter()
                 _compat.set_candidate_length(self.children[j], self.k)
+                _compat.sync_candidate_generator(self.children[j], length)
                 self.candidates[j] = self.children[j].get_candidates(input_ids)
                 self.seconds[j] = time.perf_counter() - begin
         self.verify_start = time.perf_counter()
@@ -109,6 +111,9 @@ def generate(model, original, args: tuple, kwargs: dict):
     """One generate() call through Transformers' assisted loop with our drafters and policy."""
     drafters, policy, threshold = check(model, kwargs.pop("assistant_models"), kwargs.pop("spec_policy", None), kwargs)
     ranks = distributed.ranks_of(model)
+    # a policy that needs a cost profile (DSD, AdaSpec) gets this target's, as in the batched loop
+    ensure_profile(policy, model, [ModelDrafter(d) if isinstance(d, torch.nn.Module) else d for d in drafters], 1,
+                   ranks)
     if ranks is not None:        # tensor parallelism: every rank runs rank 0's decisions
         policy = distributed.RankZeroPolicy(policy, ranks)
     kwargs.pop("spec_generator", None)

@@ -5,6 +5,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import hf_specdec
 from helpers import assert_same
+from hf_specdec.policies import UCBSpec
 from hf_specdec.testing import build, noisy_copy, prompts
 
 
@@ -109,3 +110,25 @@ def test_loop_choice_is_checked():
         hf_specdec.enable(target, loop="transformers")
     hf_specdec.disable(target)
     assert hf_specdec.enable(target, loop="transformers") is target
+
+
+@pytest.mark.parametrize("policy", [None, "auto", "fixed:3", "nightjar", "dsd", "hf-heuristic:2", "confidence",
+                                    hf_specdec.SpecPolicy(selector=UCBSpec(), length=hf_specdec.FixedLength(3))])
+def test_decoder_only_greedy_identity_with_every_policy_in_transformers_loop(policy):
+    """Every policy, the default included: its plain steps (k = 0) and a drafter the policy did not
+    pick leave Transformers' generator behind, which then drafts from further on."""
+    target = build("llama", 2, seed=0)
+    draft, other = noisy_copy(target, 0.3), noisy_copy(target, 0.6, seed=2)
+    ids = prompts(1, seed=1)[0]
+    plain = target.generate(input_ids=ids, max_new_tokens=30, do_sample=False)
+    hf_specdec.enable(target, loop="transformers")
+    if policy is None:       # Transformers' own argument, no length set: the default policy
+        out = target.generate(input_ids=ids, assistant_model=draft, max_new_tokens=30, do_sample=False,
+                              return_dict_in_generate=True)
+    else:
+        drafters = [draft, other] if isinstance(policy, hf_specdec.SpecPolicy) else [draft]
+        out = target.generate(input_ids=ids, assistant_models=drafters, spec_policy=policy, max_new_tokens=30,
+                              do_sample=False, return_dict_in_generate=True)
+    assert_same(out.sequences, plain)
+    if policy != "dsd":      # (its profile of this tiny pair, measured here, says drafting never pays)
+        assert any(s.k for s in out.spec_stats.steps)
