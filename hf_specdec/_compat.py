@@ -60,13 +60,32 @@ def cache_from_model_kwargs(model_kwargs: dict):
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     """An empty dynamic KV cache for `model`; refuses layer types that cannot hold masked slots."""
-    cache = DynamicCache(config=model.config)
-    if any(cache.is_sliding) or any(getattr(cache, "is_linear", [])):
+    if unsupported_layers(model):
         raise ValueError(
             f"{type(model).__name__} uses sliding-window or linear attention layers; hf_specdec rolls "
             "back rejected tokens by masking cache slots, which those layers cannot do"
         )
-    return cache
+    return DynamicCache(config=model.config)
+
+
+def unsupported_layers(model: torch.nn.Module) -> str | None:
+    """'sliding-window' / 'linear' if `model`'s dynamic cache has such layers (a window that drops
+    old tokens, or a recurrent state: a rejected draft cannot be masked out), else None."""
+    config = getattr(model, "config", None)
+    if config is None or config.is_encoder_decoder:
+        return None
+    cache = DynamicCache(config=config)
+    if any(cache.is_sliding):
+        return "sliding-window"
+    if any(getattr(cache, "is_linear", [])) or getattr(model, "_is_stateful", False):
+        return "linear"
+    return None
+
+
+def reads_target_states(assistant) -> bool:
+    """Whether Transformers drafts with `assistant` from the target's own states (Gemma 4
+    assistants read its shared K/V), not as a model of its own."""
+    return type(assistant).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
 
 
 def new_static_cache(model: torch.nn.Module, capacity: int):

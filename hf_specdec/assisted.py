@@ -29,6 +29,7 @@ import logging
 import torch
 from transformers import GenerationConfig
 
+from . import _compat
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from .policies import ConfidenceThreshold, FixedLength, HFHeuristic
 from .policies.base import non_negative_int, probability
@@ -45,6 +46,36 @@ def wants_assisted(model, kwargs: dict) -> bool:
     """Whether a generate() call asks for Transformers' assisted generation."""
     return kwargs.get("assistant_model") is not None or \
         _setting("prompt_lookup_num_tokens", kwargs, kwargs.get("generation_config"), model.generation_config) is not None
+
+
+# settings of Transformers' assisted generation that only its own loop runs (at batch 1)
+TRANSFORMERS_ONLY = ("assistant_ensemble_weight", "speculation_type", "assistant_early_exit", "use_mtp",
+                     "output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def transformers_only(model, kwargs: dict) -> str | None:
+    """Why Transformers' own assisted loop, not ours, must run this call (a setting or a model our
+    loop cannot honour: handing it over is what keeps its result), or None."""
+    config = kwargs.get("generation_config")
+    for name in TRANSFORMERS_ONLY:
+        value = _setting(name, kwargs, config, model.generation_config)
+        if value not in (None, False):
+            return f"{name}={value!r}"
+    if kwargs.get("assistant_tokenizer") is not None:
+        return "assistant_tokenizer= (a draft with another vocabulary)"
+    if (_setting("num_beams", kwargs, config, model.generation_config) or 1) > 1:
+        return "num_beams > 1"
+    if model.config.is_encoder_decoder:
+        return f"an encoder-decoder target ({type(model).__name__})"
+    assistant = kwargs.get("assistant_model")
+    for name, one in [("the target", model)] + ([("assistant_model", assistant)]
+                                                 if isinstance(assistant, torch.nn.Module) else []):
+        layers = _compat.unsupported_layers(one)
+        if layers:
+            return f"{name} ({type(one).__name__}) has {layers} attention layers"
+    if _compat.reads_target_states(assistant):
+        return f"assistant_model is a {type(assistant).__name__}, which drafts from the target's own states"
+    return None
 
 
 def translate(model, kwargs: dict) -> tuple[dict, object]:

@@ -1,14 +1,18 @@
 """`enable(model)`: route `model.generate(..., assistant_models=..., spec_policy=...)` to hf_specdec.
 
 Transformers' own `assistant_model=` / `prompt_lookup_num_tokens=` (and the assisted fields of the
-generation config) are mapped onto those first (`assisted.py`), at any batch size. Calls without
-any of them go to the original `generate` untouched. Transformers does not hand
+generation config) are mapped onto those first (`assisted.py`), at any batch size; a call with
+them that our loop cannot run (`assisted.transformers_only`: sliding-window or stateful layers, an
+encoder-decoder target, Transformers' newer drafting kinds, ...) goes to Transformers' own assisted
+generation untouched, with one warning saying why. Calls without any of them go to the original
+`generate` untouched. Transformers does not hand
 `streamer`, `tokenizer` or `stop_strings` to a `custom_generate` callable, so the wrapper
 translates them (streamer -> spec_streamer, stop strings -> a StopStringCriteria).
 """
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -19,6 +23,7 @@ from . import assisted, slots, transformers_loop
 from .generate import check_spec_args
 from .generate import generate as spec_generate
 
+logger = logging.getLogger(__name__)
 _SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator", "draft_offload")
 _ATTR = "_hf_specdec_original_generate"
 _LOOP_ATTR = "_hf_specdec_loop"       # which loop enable() routed generate() to
@@ -56,11 +61,16 @@ def call(model, original, args: tuple, kwargs: dict):
     """One `generate()` call: speculative through our loop when it names drafters (ours or
     Transformers' arguments), else `original(*args, **kwargs)` untouched."""
     after = None
+    batched = getattr(model, _LOOP_ATTR, "hf_specdec") == "hf_specdec"
     if assisted.wants_assisted(model, kwargs):      # Transformers' own arguments, batched
+        reason = assisted.transformers_only(model, kwargs) if batched else None
+        if reason is not None:
+            logger.warning("hf_specdec: %s; this call runs Transformers' own assisted generation", reason)
+            return original(*args, **kwargs)
         kwargs, after = assisted.translate(model, kwargs)
     if not any(kwargs.get(name) is not None for name in _SPEC_KWARGS):
         return original(*args, **kwargs)
-    if getattr(model, _LOOP_ATTR, "hf_specdec") == "transformers":
+    if not batched:
         out = transformers_loop.generate(model, original, args, kwargs)
     else:
         out = original(*args, **_batched_loop_kwargs(model, args, kwargs))
