@@ -209,10 +209,10 @@ def test_distribution_matches_target_on_the_static_path(setup, drafter):
     assert tv < TV_BOUND, f"TV {tv:.4f}"
     if "compile_config" in sampling:
         from hf_specdec.compiled import compiled_forwards
-        # step 0 verifies in the target's prefill (eager); the draft's second token and step 1 run
-        # compiled (12000 rows in a bucket of 16384)
-        shapes = [{key[:2] for key in compiled_forwards(m, sampling["compile_config"]).functions} for m in (draft, target)]
-        assert (16384, 1) in shapes[0] and shapes[1], shapes
+        # step 0 verifies in the target's prefill (eager); the draft's second token (padded to 2) and
+        # step 1 run compiled (12000 rows in a bucket of 16384)
+        shapes = [{key[:2] for key in compiled_forwards(m, sampling["compile_config"]).calls} for m in (draft, target)]
+        assert (16384, 2) in shapes[0] and shapes[1], shapes
 
 
 def test_negative_control_broken_sampler_is_caught_on_the_static_path(setup, monkeypatch):
