@@ -82,6 +82,17 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
     return None
 
 
+def slot_cache_inputs_missing(model: torch.nn.Module) -> str | None:
+    """What our slot caches need that `model.forward` does not take (None: nothing): a KV cache,
+    and explicit position ids (holes in a row's slots would otherwise shift its positions)."""
+    params = inspect.signature(type(model).forward).parameters
+    if not any(name in params for name in CACHE_KWARG_NAMES):
+        return "a KV cache"
+    if "position_ids" not in params:
+        return "position_ids"
+    return None
+
+
 def reads_target_states(assistant) -> bool:
     """Whether Transformers drafts with `assistant` from the target's own states (Gemma 4
     assistants read its shared K/V), not as a model of its own."""

@@ -73,6 +73,9 @@ def transformers_only(model, kwargs: dict) -> str | None:
         layers = _compat.unsupported_layers(one)
         if layers:
             return f"{name} ({type(one).__name__}) has {layers} attention layers"
+        missing = _compat.slot_cache_inputs_missing(one)
+        if missing:
+            return f"{name} ({type(one).__name__}) takes no {missing}"
     if _compat.reads_target_states(assistant):
         return f"assistant_model is a {type(assistant).__name__}, which drafts from the target's own states"
     return None

@@ -89,3 +89,81 @@ def test_calls_our_loop_runs_stay_ours_and_batched():
     assert torch.equal(out.sequences, plain) and out.spec_stats.steps
     with pytest.raises(ValueError, match="sliding-window"):      # our own argument: our loop's clear error
         target.generate(input_ids=ids, attention_mask=mask, assistant_models=[_mistral()], max_new_tokens=4)
+
+
+# every decoder-only causal LM type of the installed Transformers, shrunk
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=6, attention_window=6,
+             n_embd=32, n_layer=2, n_head=2, n_positions=256, n_inner=64, ffn_dim=64, num_layers=2, d_model=32,
+             pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)
+
+
+def _tiny_of_type(model_type: str, seed: int = 0):
+    """A tiny random model of this registered causal-LM type, or None where shrinking its default
+    config does not give one that builds (composite, encoder-decoder, over 3M parameters, ...)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        if config.is_encoder_decoder or type(config.get_text_config()) is not type(config):
+            return None
+        for name, value in SMALL.items():
+            if hasattr(config, name):
+                setattr(config, name, value)
+        if getattr(config, "layer_types", None) is not None:      # 2 layers, each kind the model has
+            kinds = list(dict.fromkeys(config.layer_types))
+            config.layer_types = (kinds * 2)[:2]
+        with torch.device("meta"):
+            if sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) > 3e6:
+                return None
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        model.generate(torch.randint(3, VOCAB, (1, 7)), max_new_tokens=8, do_sample=False)   # the calls below
+        return model
+    except Exception:        # noqa: BLE001 - a type this shrinking does not fit
+        return None
+
+
+def _registry_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def test_every_registered_decoder_only_type_keeps_its_result_under_enable(caplog):
+    """For each decoder-only type of the installed Transformers that builds tiny: enable() +
+    assistant_model= at batch 1 returns what Transformers alone returns (its tokens, or its error),
+    and where our loop runs the call, a padded batch of 3 is identical to plain generate()."""
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    batch, mask = prompts(3, seed=4, min_len=3, max_len=7, vocab=VOCAB)
+    groups = {"ours": [], "transformers": [], "refused by both": [], "ours where Transformers fails": []}
+    for model_type in _registry_types():
+        target, draft = _tiny_of_type(model_type), _tiny_of_type(model_type, seed=1)
+        if target is None or draft is None:
+            continue
+        kwargs = dict(input_ids=ids, assistant_model=draft, max_new_tokens=8, do_sample=False)
+        alone = _transformers_alone(target, **kwargs)
+        hf_specdec.enable(target)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_specdec.enable"):
+            ours = _transformers_alone(target, **kwargs)
+        handed = any("Transformers' own assisted generation" in r.getMessage() for r in caplog.records)
+        plain = hf_specdec.disable(target).generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        hf_specdec.enable(target)
+        if isinstance(alone, Exception) and isinstance(ours, Exception):     # (handed over: the same error)
+            assert not handed or (type(ours) is type(alone) and str(ours) == str(alone)), model_type
+            groups["refused by both"].append(model_type)
+        elif isinstance(alone, Exception):        # Transformers' loop fails where ours runs: lossless
+            assert not handed and torch.equal(ours, plain), (model_type, alone)
+            groups["ours where Transformers fails"].append(model_type)
+        else:
+            assert isinstance(ours, torch.Tensor) and torch.equal(ours, alone), (model_type, ours)
+            groups["transformers" if handed else "ours"].append(model_type)
+        if not handed and not isinstance(ours, Exception):
+            plain = hf_specdec.disable(target).generate(input_ids=batch, attention_mask=mask, max_new_tokens=8,
+                                                        do_sample=False)
+            hf_specdec.enable(target)
+            out = target.generate(input_ids=batch, attention_mask=mask, assistant_model=draft, max_new_tokens=8,
+                                  do_sample=False)
+            assert torch.equal(out, plain), model_type
+        hf_specdec.disable(target)
+    logging.getLogger(__name__).info("model types: %s", groups)
+    assert len(groups["ours"]) >= 20 and len(groups["transformers"]) >= 5, groups
