@@ -11,6 +11,7 @@ Checked against transformers 5.23.0 and 5.24.0 (the test suite runs on both):
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from dataclasses import dataclass
@@ -59,27 +60,68 @@ def cache_from_model_kwargs(model_kwargs: dict):
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
-    """An empty dynamic KV cache for `model`; refuses layer types that cannot hold masked slots."""
-    if unsupported_layers(model):
-        raise ValueError(
-            f"{type(model).__name__} uses sliding-window or linear attention layers; hf_specdec rolls "
-            "back rejected tokens by masking cache slots, which those layers cannot do"
-        )
-    return DynamicCache(config=model.config)
+    """An empty dynamic KV cache for `model` in which every layer keeps every token: a sliding
+    layer's window is applied by the mask (`sliding_window`), so a rejected draft can be masked
+    out there too. Refuses layer kinds that cannot hold masked slots."""
+    _refuse_unsupported(model)
+    return DynamicCache() if sliding_window(model) else DynamicCache(config=model.config)
+
+
+def new_static_cache(model: torch.nn.Module, capacity: int):
+    """An empty preallocated KV cache of `capacity` slots per row (Transformers' StaticCache,
+    allocated at its first write), every layer a full one (sliding windows: as `new_cache`)."""
+    from transformers import StaticCache
+    _refuse_unsupported(model)
+    config = model.config
+    if sliding_window(model):
+        config = copy.deepcopy(config.get_text_config(decoder=True))
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        config.sliding_window = None
+    return StaticCache(config=config, max_cache_len=capacity)
+
+
+def layer_kinds(model: torch.nn.Module) -> list[tuple[str, int | None]]:
+    """Each layer's cache kind ("full_attention", "sliding_attention", "chunked_attention",
+    "linear_attention", "conv", ...) and its window (sliding and chunked layers), as Transformers
+    builds its caches."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    if model.config.is_encoder_decoder:
+        return []
+    kinds, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return [(kind, kw.get("sliding_window")) for kind, kw in zip(kinds, kwargs)]
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The window (in tokens) of `model`'s sliding-window layers; None if it has none."""
+    return max((w for kind, w in layer_kinds(model) if kind == "sliding_attention"), default=None)
 
 
 def unsupported_layers(model: torch.nn.Module) -> str | None:
-    """'sliding-window' / 'linear' if `model`'s dynamic cache has such layers (a window that drops
-    old tokens, or a recurrent state: a rejected draft cannot be masked out), else None."""
+    """The layers our loop cannot roll back a rejected draft in, named (None: it can run them all):
+    recurrent or convolution states, chunked attention, or sliding windows where the attention
+    takes no 4-D mask (the window is applied by one) or windows differ between layers."""
     config = getattr(model, "config", None)
     if config is None or config.is_encoder_decoder:
         return None
-    cache = DynamicCache(config=config)
-    if any(cache.is_sliding):
-        return "sliding-window"
-    if any(getattr(cache, "is_linear", [])) or getattr(model, "_is_stateful", False):
-        return "linear"
+    if getattr(model, "_is_stateful", False):
+        return "stateful (recurrent)"
+    kinds = layer_kinds(model)
+    other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention"})
+    if other:
+        return f"{other[0]}"
+    windows = {w for kind, w in kinds if kind == "sliding_attention"}
+    if len(windows) > 1:
+        return f"sliding-window (of {len(windows)} sizes)"
+    if windows and attn_implementation(model) not in ("sdpa", "eager"):
+        return f"sliding-window (attn_implementation={attn_implementation(model)!r})"
     return None
+
+
+def _refuse_unsupported(model: torch.nn.Module) -> None:
+    layers = unsupported_layers(model)
+    if layers:
+        raise ValueError(f"{type(model).__name__} has {layers} layers; hf_specdec rolls back rejected tokens by "
+                         "masking cache slots, which those layers cannot do")
 
 
 def slot_cache_inputs_missing(model: torch.nn.Module) -> str | None:
@@ -97,25 +139,6 @@ def reads_target_states(assistant) -> bool:
     """Whether Transformers drafts with `assistant` from the target's own states (Gemma 4
     assistants read its shared K/V), not as a model of its own."""
     return type(assistant).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
-
-
-def new_static_cache(model: torch.nn.Module, capacity: int):
-    """An empty preallocated KV cache of `capacity` slots per row (Transformers' StaticCache,
-    allocated at its first write); generate() has refused models with `static_unsupported_layers`."""
-    from transformers import StaticCache
-    return StaticCache(config=model.config, max_cache_len=capacity)
-
-
-def static_unsupported_layers(model: torch.nn.Module) -> str | None:
-    """'sliding-window' / 'linear' if a static cache of `model` has such layers (their slots are
-    overwritten in a ring or kept as a state: a rejected draft cannot be masked out), else None."""
-    from transformers import StaticCache
-    cache = StaticCache(config=model.config, max_cache_len=1)        # allocates nothing until written
-    if any(cache.is_sliding):
-        return "sliding-window"
-    if any(getattr(cache, "is_linear", [])):
-        return "linear"
-    return None
 
 
 def static_cache_position(first_slot: int, width: int, device) -> torch.Tensor:

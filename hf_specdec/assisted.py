@@ -72,7 +72,7 @@ def transformers_only(model, kwargs: dict) -> str | None:
                                                  if isinstance(assistant, torch.nn.Module) else []):
         layers = _compat.unsupported_layers(one)
         if layers:
-            return f"{name} ({type(one).__name__}) has {layers} attention layers"
+            return f"{name} ({type(one).__name__}) has {layers} layers"
         missing = _compat.slot_cache_inputs_missing(one)
         if missing:
             return f"{name} ({type(one).__name__}) takes no {missing}"

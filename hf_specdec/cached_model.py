@@ -29,6 +29,10 @@ class CachedModel:
         self.model = model
         self.device = _compat.execution_device(model)
         self._logits_to_keep = _compat.accepts_logits_to_keep(model)
+        # sliding-window layers: the cache keeps every token and the mask applies the window (in
+        # real positions: slots may be holes), so the model gets 4-D masks (`model_mask`)
+        self.window = _compat.sliding_window(model)
+        self.full_layers_too = any(kind == "full_attention" for kind, _ in _compat.layer_kinds(model))
         self.slots = None
         self.forwards = 0   # in this generate() call
 
@@ -134,8 +138,32 @@ class CachedModel:
         """The model's own forward over `cache` (for the storages): logits [rows, >= keep, vocab]."""
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        return self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                          **_compat.cache_kwargs(self.model, cache), **kwargs).logits
+        return self.model(input_ids=tokens, attention_mask=self.model_mask(mask, positions), position_ids=positions,
+                          use_cache=True, **_compat.cache_kwargs(self.model, cache), **kwargs).logits
+
+    def model_mask(self, slots: torch.Tensor | None, positions: torch.Tensor):
+        """The attention mask the model gets for a forward at `positions` [rows, w] over slots
+        [rows, s] (the forward's own included; None: no holes, no window): the slot mask itself, or
+        with sliding-window layers 4-D masks [rows, 1, w, s] built from each slot's real position
+        (the real slots before it): causal, and for sliding layers within the window. A mapping by
+        layer kind for models with both kinds, as Transformers' own masks for them are."""
+        if self.window is None:
+            return slots
+        key_positions = slots.long().cumsum(1)[:, None, :] - 1                          # [rows, 1, s]
+        query_positions = positions[:, :, None]                                         # [rows, w, 1]
+        causal = slots[:, None, :] & (key_positions <= query_positions)                 # [rows, w, s]
+        sliding = causal & (query_positions - key_positions < self.window)
+        masks = {"full_attention": causal, "sliding_attention": sliding}
+        masks = {kind: self._as_attention_mask(m[:, None]) for kind, m in masks.items()}
+        return masks if self.full_layers_too else masks["sliding_attention"]
+
+    def _as_attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean 4-D mask as the model's attention takes it: boolean (sdpa), or additive (eager)."""
+        if _compat.attn_implementation(self.model) == "sdpa":
+            return allowed
+        dtype = next(self.model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
+                                                                                          torch.finfo(dtype).min)
 
     def rollback(self, spec_start: int, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
         """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]` (host_keep:

@@ -598,16 +598,15 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
     if generation_config.cache_config:
         raise ValueError(f"cache_config={generation_config.cache_config!r} is not supported with speculative "
                          "decoding: hf_specdec sizes every model's cache from max_length itself")
-    if generation_config.cache_implementation != "static":
-        return
-    compiling = _compat.compile_config(model, generation_config) is not None
+    static = generation_config.cache_implementation == "static"
+    compiling = static and _compat.compile_config(model, generation_config) is not None
     for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
                                                  for m in d.models()]:
-        layers = _compat.static_unsupported_layers(one)
+        layers = _compat.unsupported_layers(one)
         if layers:
-            raise ValueError(f"cache_implementation='static': {name} ({type(one).__name__}) has {layers} attention "
-                             "layers, whose static caches hf_specdec cannot roll back by masking slots; use the "
-                             "default cache")
+            raise ValueError(f"{name} ({type(one).__name__}) has {layers} layers, in which hf_specdec cannot roll "
+                             "back a rejected draft (it masks cache slots); with enable(model), assistant_model= "
+                             "runs it in Transformers' own assisted generation (batch 1)")
         attention = _compat.attn_implementation(one)
         if compiling and attention not in GRAPHABLE_ATTENTION:
             raise ValueError(f"cache_implementation='static' compiles every model's decoding forward into CUDA graphs, "

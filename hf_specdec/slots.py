@@ -44,7 +44,8 @@ class DynamicSlots:
         self.used += tokens.shape[1]
         # no mask without holes, as generate() drops an all-ones one: building and applying it costs
         # every forward (~0.1 ms on a CPU); else a bool mask, which transformers 5 makes any mask anyway
-        return runner.eager(self.cache, tokens, self.mask if runner.holes else None, positions, keep)
+        mask = self.mask if runner.holes or runner.window else None
+        return runner.eager(self.cache, tokens, mask, positions, keep)
 
     def reserve(self, width: int) -> None:
         """Room for `width` more slots: a dynamic cache grows anyway."""
@@ -149,7 +150,7 @@ class StaticSlots:
                 self.alloc_rows = self.rows
                 self._use_rows(self.rows)
             return logits
-        logits = self.compiled(runner.model, tokens, mask, positions, cache_position,
+        logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions), positions, cache_position,
                                _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr())
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)

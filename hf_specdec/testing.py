@@ -4,7 +4,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 VOCAB = 96
 EOS = 2
@@ -16,8 +17,10 @@ def _common(vocab):
 
 
 def build(arch: str = "llama", layers: int = 2, seed: int = 0, vocab: int = VOCAB, hidden: int = 48,
-          init: float = 0.3) -> torch.nn.Module:
-    """A tiny causal LM; `init` large enough that logits are well separated (no near-ties)."""
+          init: float = 0.3, window: int = 4) -> torch.nn.Module:
+    """A tiny causal LM; `init` large enough that logits are well separated (no near-ties).
+    "mistral": every layer a sliding window of `window` tokens; "gemma2": sliding and full layers
+    alternating (eager attention, soft-capped logits), as Gemma 2/3 and gpt-oss."""
     torch.manual_seed(seed)
     if arch == "llama":
         cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -29,6 +32,18 @@ def build(arch: str = "llama", layers: int = 2, seed: int = 0, vocab: int = VOCA
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                           initializer_range=init, use_sliding_window=False, **_common(vocab))
         model = Qwen2ForCausalLM(cfg)
+    elif arch == "mistral":
+        cfg = MistralConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=init, sliding_window=window, **_common(vocab))
+        model = MistralForCausalLM(cfg)
+    elif arch == "gemma2":
+        cfg = Gemma2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                           max_position_embeddings=512, initializer_range=init, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+                           **_common(vocab))
+        model = Gemma2ForCausalLM(cfg)
     elif arch == "gpt2":
         cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512,
                          initializer_range=init, **_common(vocab))

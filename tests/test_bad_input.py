@@ -120,20 +120,20 @@ def test_int8_self_draft_of_a_model_without_linear_layers():
         hf_specdec.self_draft(build("llama", 1, seed=0), "int4")
 
 
-def _sliding_window_model():
-    from transformers import MistralConfig, MistralForCausalLM
+def _stateful_model():
+    from transformers import MambaConfig, MambaForCausalLM
     from hf_specdec.testing import VOCAB
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=2, sliding_window=4)
-    return MistralForCausalLM(config).eval()
+    config = MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=1)
+    return MambaForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("setting,match", [
     (dict(cache_implementation="offloaded"), "cache_implementation='offloaded'"),
     (dict(cache_implementation="static", cache_config={"max_cache_len": 64}), "cache_config="),
-    (dict(cache_implementation="static", assistant="sliding"), r"assistant_models\[0\] .*sliding-window"),
+    (dict(assistant="stateful"), r"assistant_models\[0\] \(MambaForCausalLM\) has stateful"),
+    (dict(cache_implementation="static", assistant="stateful"), r"assistant_models\[0\] \(MambaForCausalLM\) has stateful"),
 ])
 def test_cache_settings_the_static_path_cannot_honour(models, setting, match):
     setting = dict(setting)
-    drafters = [_sliding_window_model()] if setting.pop("assistant", None) else None
+    drafters = [_stateful_model()] if setting.pop("assistant", None) else None
     check_error(models, ValueError, match, drafters=drafters, **setting)

@@ -1,0 +1,68 @@
+"""Sliding-window layers (Mistral with a window; Gemma 2/3, gpt-oss, Cohere 2: sliding and full
+layers) in our loop: the caches keep every token and a 4-D mask per layer kind applies the window
+in real positions (slots may be holes), so a rejected draft is masked out as in full layers.
+Greedy output past the window is plain generate()'s on every cache path; sampling follows the
+target's distribution."""
+import pytest
+import torch
+from transformers import CompileConfig
+
+import hf_specdec
+from hf_specdec import cached_model
+from hf_specdec.testing import build, noisy_copy, prompts
+from helpers import assert_same, spec
+from test_sampling import N, TV_BOUND, VOCAB, empirical, exact_distribution
+
+
+def _compiled():
+    config = CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+CACHES = {"dynamic": lambda: {}, "static": lambda: {"cache_implementation": "static"}, "compiled": _compiled}
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_greedy_identical_past_the_window(arch, cache):
+    target = build(arch, 2, seed=0, window=4)
+    draft = noisy_copy(target, 0.3)
+    hierarchy = hf_specdec.HierarchicalDrafter(hf_specdec.PromptLookupDrafter(), hf_specdec.ModelDrafter(draft),
+                                               draft_len=2, cycles=2)
+    for rows in (1, 3):
+        ids, mask = prompts(rows, seed=rows, min_len=3, max_len=9)               # 24 new tokens: 6 windows
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+        for drafters, policy in (([draft], "fixed:3"), ([hf_specdec.PromptLookupDrafter()], "fixed:3"),
+                                 ([hierarchy], "fixed:2"), ([draft], "auto")):
+            out = spec(target, drafters, policy, input_ids=ids, attention_mask=mask, max_new_tokens=24,
+                       do_sample=False, **CACHES[cache]())
+            assert_same(out, plain)
+
+
+def test_negative_control_a_loop_that_ignores_the_window_is_caught(monkeypatch):
+    target = build("mistral", 2, seed=0, window=4)
+    ids, mask = prompts(3, seed=3, min_len=3, max_len=9)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    windowed = cached_model.CachedModel.model_mask
+
+    def forgetful(runner, slots, positions):     # a window wide enough to cover everything
+        window, runner.window = runner.window, 10 ** 6
+        try:
+            return windowed(runner, slots, positions)
+        finally:
+            runner.window = window
+    monkeypatch.setattr(cached_model.CachedModel, "model_mask", forgetful)
+    out = spec(target, [noisy_copy(target, 0.3)], "fixed:3", input_ids=ids, attention_mask=mask, max_new_tokens=24,
+               do_sample=False)
+    assert (out != plain).any()
+
+
+def test_distribution_matches_a_sliding_window_target():
+    """Window 2 over a 4-token prompt: both sampled tokens depend on what the window keeps."""
+    target = build("mistral", 2, seed=0, vocab=VOCAB, hidden=32, init=0.6, window=2)
+    draft = noisy_copy(target, 0.3)
+    prompt = torch.tensor([[3, 5, 4, 3]])
+    exact = exact_distribution(target, prompt, 2)
+    tv = 0.5 * (empirical(target, draft, prompt, N, seed=7) - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
