@@ -288,6 +288,8 @@ def main(argv=None):
     parser.add_argument("--forward-reps", type=int, default=10)
     parser.add_argument("--vocab", type=int, default=QWEN2_VOCAB)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="Gemma 3's layer pattern (5 sliding-window layers of this many tokens to 1 full)")
     parser.add_argument("--budget-s", type=float, default=400, help="start no cell after this many seconds")
     parser.add_argument("--out", required=True, help="path prefix: <out>.json, .md, .png")
     args = parser.parse_args(argv)
@@ -311,7 +313,7 @@ def main(argv=None):
 
     results = Results(Path(args.out), vars(args), markdown, plot)
     for target_size, draft_size in pairs:
-        pair = f"{target_size}/{draft_size}"
+        pair = f"{target_size}/{draft_size}" + (f", window {args.sliding_window}" if args.sliding_window else "")
         target = draft = None
         for alpha in alphas:
             for batch in batch_sizes:
@@ -321,9 +323,10 @@ def main(argv=None):
                     logger.warning("budget of %.0f s spent: stopping before %s a=%s batch %d", args.budget_s,
                                    pair, alpha, batch)
                     return
-                target = target or circle_model(target_size, args.vocab, device=device, dtype=dtype)
+                built = dict(device=device, dtype=dtype, sliding_window=args.sliding_window)
+                target = target or circle_model(target_size, args.vocab, **built)
                 if draft is None:      # one draft model for every alpha: its compiled forward is kept
-                    draft = circle_model(draft_size, args.vocab, device=device, dtype=dtype)
+                    draft = circle_model(draft_size, args.vocab, **built)
                 set_circle_alpha(draft, alpha)
                 cell = run_cell(target, draft, methods, batch, alpha, args, device)
                 logger.info("wrote %s", results.add({"pair": pair, **cell}))

@@ -111,7 +111,7 @@ QWEN2_VOCAB = 151936
 
 
 def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: int = 0, device=None,
-                 dtype=torch.bfloat16) -> torch.nn.Module:
+                 dtype=torch.bfloat16, sliding_window: int | None = None) -> torch.nn.Module:
     """A Qwen2 causal LM of a real size (`QWEN2_SIZES`) that does all its work yet whose greedy
     output is known: from any prompt it continues last+1, last+2, ... (mod vocab).
 
@@ -124,10 +124,16 @@ def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: 
     acceptance is then about alpha. Models built with the same `seed` and size share embeddings."""
     from transformers import AutoModelForCausalLM
     hidden, layers, heads, kv_heads, mlp = QWEN2_SIZES[size]
+    # sliding_window: Gemma 3's layer pattern, five sliding-window layers to one full one (the
+    # window changes no output here, as attention's output projection is zero: only the costs)
+    windows = {} if sliding_window is None else dict(
+        use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0,
+        layer_types=["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)])
     config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=mlp, vocab_size=vocab,
-                         tie_word_embeddings=False, use_sliding_window=False, max_position_embeddings=4096,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+                         tie_word_embeddings=False, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                         **({"use_sliding_window": False} | windows))
     device = torch.device(device or "cpu")
     with torch.device(device):                      # built where it runs, in its dtype: 7B in seconds on a GPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

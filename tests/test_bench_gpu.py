@@ -16,9 +16,9 @@ sys.path.insert(0, str(ROOT / "eval"))
 import bench_gpu  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_circle_model_continues_last_plus_one_in_a_padded_batch(dtype):
-    model = circle_model("toy", vocab=1024, dtype=dtype)
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 4)])
+def test_circle_model_continues_last_plus_one_in_a_padded_batch(dtype, window):
+    model = circle_model("toy", vocab=1024, dtype=dtype, sliding_window=window)
     ids, mask = prompts(4, seed=1, min_len=3, max_len=12, vocab=1024)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(out[:, ids.shape[1]:], circle_continuation(ids, 12, 1024))
