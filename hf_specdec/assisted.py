@@ -10,8 +10,9 @@ Where a setting is read: the call (a keyword or `generation_config=`), else the 
 generation config, else the target's. Transformers itself reads num_assistant_tokens,
 num_assistant_tokens_schedule and assistant_confidence_threshold from the assistant's config only
 (it ignores them on the call); a value given on the call is what the user asked for, so it wins
-here. When none of the three is set anywhere, the policy is "auto"; when any is, the others take
-Transformers' defaults (20 tokens, "constant", threshold 0.4) and the schedule maps as follows:
+here. When none of the three is set anywhere, the policy is "auto" (with `assistant_ensemble_weight`,
+whose lossy result depends on the draft lengths: Transformers' defaults); when any is, the others
+take Transformers' defaults (20 tokens, "constant", threshold 0.4) and the schedule maps as follows:
 
     constant                         FixedLength(n), or ConfidenceThreshold(threshold, max_len=n)
     heuristic, heuristic_transient   HFHeuristic(n, threshold): +2 after a fully accepted step, else -1
@@ -49,7 +50,7 @@ def wants_assisted(model, kwargs: dict) -> bool:
 
 
 # settings of Transformers' assisted generation that only its own loop runs (at batch 1)
-TRANSFORMERS_ONLY = ("assistant_ensemble_weight", "speculation_type", "assistant_early_exit", "use_mtp",
+TRANSFORMERS_ONLY = ("speculation_type", "assistant_early_exit", "use_mtp",
                      "output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -103,7 +104,9 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
     # Transformers persists a heuristic length only on an assistant whose own config asks for it
     persists = own is not None and own.num_assistant_tokens_schedule == "heuristic" and \
         _setting("num_assistant_tokens_schedule", kwargs_before, call_config) is None
-    kwargs["assistant_models"], policy = _drafters_and_policy(assistant, settings)
+    # lossy ensemble verification's result depends on the draft lengths: Transformers' own, then
+    lossy = _setting("assistant_ensemble_weight", kwargs, call_config, model.generation_config) is not None
+    kwargs["assistant_models"], policy = _drafters_and_policy(assistant, settings, lossy)
     if "spec_policy" not in kwargs and policy is not None:
         kwargs["spec_policy"] = policy
         if persists:
@@ -112,7 +115,7 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
     return kwargs, after
 
 
-def _drafters_and_policy(assistant, settings: dict):
+def _drafters_and_policy(assistant, settings: dict, transformers_lengths: bool = False):
     lookup = settings["prompt_lookup_num_tokens"]
     if lookup is not None:
         if assistant is not None:
@@ -128,7 +131,7 @@ def _drafters_and_policy(assistant, settings: dict):
     drafters = list(assistant) if isinstance(assistant, (list, tuple)) else [assistant]
     if not drafters:
         raise ValueError("assistant_model is an empty list; give a model, a drafter or a list of them")
-    if all(settings[name] is None for name in SCHEDULE_FIELDS):
+    if all(settings[name] is None for name in SCHEDULE_FIELDS) and not transformers_lengths:
         return drafters, None            # nothing configured: the default policy
     n, schedule, threshold = (DEFAULTS[name] if settings[name] is None else settings[name] for name in SCHEDULE_FIELDS)
     if non_negative_int(n, "num_assistant_tokens") < 1:

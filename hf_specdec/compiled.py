@@ -64,20 +64,23 @@ class CompiledForwards:
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
         self.warmups = 0
 
-    def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,
                  cache_address: int) -> torch.Tensor:
         """A copy of the logits [rows, width, vocab] of a forward (inputs already padded to a
         compiled shape; cache_address: where the cache's tensors are, part of what a graph records)."""
-        for t in (input_ids, position_ids, *torch.utils._pytree.tree_leaves(attention_mask)):
+        # attention_mask: the slot mask [rows, slots], or with sliding windows 4-D masks
+        # [rows, 1, width, slots] (one, or one per layer kind)
+        masks = list(attention_mask.values()) if isinstance(attention_mask, dict) else [attention_mask]
+        for t in (input_ids, position_ids, *masks):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         for t in (input_ids, position_ids):
             torch._dynamo.maybe_mark_dynamic(t, 1)
-        for t in torch.utils._pytree.tree_leaves(attention_mask):
-            if t.ndim == 4:          # sliding windows: 4-D masks [rows, 1, width, slots]
+        for t in masks:
+            if t.ndim == 4:
                 torch._dynamo.maybe_mark_dynamic(t, 2)
         torch._dynamo.maybe_mark_dynamic(cache_position, 0)
-        key = (*input_ids.shape, torch.utils._pytree.tree_leaves(attention_mask)[0].shape[-1], cache_address)
+        key = (*input_ids.shape, masks[0].shape[-1], cache_address)
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         self.warmups += calls <= WARMUP_CALLS
         logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)

@@ -64,7 +64,9 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     offload = as_offload(draft_offload)
     _check_call(input_ids, generation_config, model_kwargs)
     _check_cache(model, drafters, generation_config)
-    sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator)  # may refuse processors
+    ensemble_weight = _check_ensemble(generation_config, drafters)
+    sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator,  # may refuse processors
+                           ensemble_weight)
     stopping_criteria = stopping_criteria or StoppingCriteriaList()
     # generate() pads finished rows only when an EOS criterion exists; otherwise rows that a
     # criterion stopped keep producing real tokens until every row has stopped.
@@ -134,7 +136,7 @@ class DecodingLoop:
             self.offload.begin(self.drafters, batch)
         names = [d.name for d in self.drafters]
         self.stats = SpecStats(drafter_names=[n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)],
-                               policy=self.policy)
+                               policy=self.policy, ensemble_weight=self.sampler.ensemble_weight)
         self.policy.begin(self.context(0) if len(batch.active) else StepContext(0, 0, len(self.drafters)))
 
     def run(self) -> SpecStats:
@@ -189,7 +191,7 @@ class DecodingLoop:
         drafts, drafted = self.draft(plan)
         c1 = self.clock.mark()
         verified = target_verify(self.target, self.batch, drafts.tokens, drafts.lengths, drafts.probs, self.sampler,
-                                 rollback=False)
+                                 rollback=False, ensemble=True)
         t2, c2 = time.perf_counter(), self.clock.mark()
         record, read, waited = self.commit(plan, drafts, verified)
         # the host's own work: not its wait in the read for the device's drafting and verifying,
@@ -613,6 +615,21 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
                              f"which {name}'s attn_implementation={attention!r} cannot be captured in (it reads the "
                              f"device); load it with attn_implementation='sdpa' (or one of {GRAPHABLE_ATTENTION}), or "
                              "use the default cache")
+
+
+def _check_ensemble(generation_config: GenerationConfig, drafters: list[Drafter]) -> float | None:
+    """Transformers' `assistant_ensemble_weight` (lossy ensemble verification), checked: in (0, 1],
+    with drafters that have a distribution (Transformers refuses prompt lookup with it too)."""
+    weight = getattr(generation_config, "assistant_ensemble_weight", None)
+    if weight is None:
+        return None
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1:
+        raise ValueError(f"assistant_ensemble_weight must be a number in (0, 1], got {weight!r}")
+    pointwise = [i for i, d in enumerate(drafters) if not d.models()]
+    if pointwise:
+        raise ValueError(f"assistant_ensemble_weight needs drafters with a distribution (models); "
+                         f"assistant_models{pointwise} propose tokens without one (prompt lookup, a datastore)")
+    return float(weight)
 
 
 def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:

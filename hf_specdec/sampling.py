@@ -29,7 +29,7 @@ class TokenSampler:
     """Applies `generate()`'s processors and picks tokens (argmax, or a draw from `generator`)."""
 
     def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, ensemble_weight: float | None = None):
         self.processors = logits_processor or LogitsProcessorList()
         stateful = [type(p).__name__ for p in self.processors if type(p).__name__ in _STATEFUL]
         if stateful:
@@ -37,6 +37,9 @@ class TokenSampler:
                              "speculative decoding (e.g. guidance_scale, watermarking_config)")
         self.do_sample = do_sample
         self.generator = generator
+        # Transformers' assistant_ensemble_weight: the target verifies against w p + (1 - w) q (lossy)
+        self.ensemble_weight = ensemble_weight
+        self.keeps_probs = do_sample or ensemble_weight is not None     # drafters hand over q
         self._position_free = all(isinstance(p, _POSITION_FREE) for p in self.processors)
 
     def scores(self, batch: SequenceBatch, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:

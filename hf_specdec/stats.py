@@ -57,6 +57,8 @@ class SpecStats:
     drafter_names: list[str] = field(default_factory=list)   # assistant_models, in order
     policy: object = None   # the SpecPolicy that ran: under spec_policy="auto", the one that learns across calls
     prime_seconds: float = 0.0   # scoring drafters on the prompt before the first step (warm start)
+    # lossy: Transformers' assistant_ensemble_weight, the weight the target verified with (None: lossless)
+    ensemble_weight: float | None = None
 
     def drafter_row_steps(self) -> dict[str, int]:
         """How many (row, step) pairs each drafter drafted for ("none": k = 0)."""

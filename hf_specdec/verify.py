@@ -28,11 +28,16 @@ class VerifyResult:
 
 def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: torch.Tensor,
            draft_probs: torch.Tensor | None, do_sample: bool,
-           generator: torch.Generator | None = None) -> VerifyResult:
+           generator: torch.Generator | None = None, ensemble_weight: float | None = None) -> VerifyResult:
     """Accept a prefix of each row's drafts.
 
     draft_tokens [n, k]; draft_lens [n] (row b proposes its first draft_lens[b] tokens);
     target_scores [n, k+1, vocab], processed; draft_probs [n, k, vocab] or None (point mass).
+    ensemble_weight w (Transformers' `assistant_ensemble_weight`, DIVERSE's static ensemble; needs
+    draft_probs): drafts are verified against v = w p + (1 - w) q, which is lossy: greedy accepts
+    while x_j == argmax v_j and emits argmax v_j at a mismatch (argmax p as the bonus); sampling
+    accepts with min(1, v(x) / q(x)) = min(1, 1 - w + w p(x) / q(x)), whose residual
+    norm(max(0, v - q)) is norm(max(0, p - q)).
     """
     n, k = draft_tokens.shape
     if k == 0:      # plain decoding step (speculation off): the next token only, same RNG draws
@@ -45,9 +50,17 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
 
     if not do_sample:
         best = target_scores.argmax(-1)                                    # [n, k+1]
-        ok = (draft_tokens == best[:, :k]) & proposed
+        if ensemble_weight is None:
+            ok = (draft_tokens == best[:, :k]) & proposed
+            num_accepted = ok.long().cumprod(1).sum(1)
+            return VerifyResult(num_accepted, best[rows, num_accepted])
+        w = ensemble_weight
+        ensemble = (w * torch.softmax(target_scores[:, :k], -1) + (1 - w) * draft_probs).argmax(-1)   # [n, k]
+        ok = (draft_tokens == ensemble) & proposed
         num_accepted = ok.long().cumprod(1).sum(1)
-        return VerifyResult(num_accepted, best[rows, num_accepted])
+        mismatch = num_accepted < draft_lens
+        return VerifyResult(num_accepted, torch.where(mismatch, ensemble[rows, num_accepted.clamp(max=k - 1)],
+                                                      best[rows, num_accepted]))
 
     target_probs = torch.softmax(target_scores, dim=-1)                    # [n, k+1, vocab]
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)   # [n, k]
@@ -56,6 +69,8 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
     else:
         q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device)
+    if ensemble_weight is not None:         # u < v(x) / q(x), v = w p + (1 - w) q
+        p_draft = ensemble_weight * p_draft + (1 - ensemble_weight) * q_draft
     ok = (u * q_draft < p_draft) & proposed
     num_accepted = ok.long().cumprod(1).sum(1)
 
@@ -84,7 +99,7 @@ class Verified:
 
 def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor, draft_lens: torch.Tensor,
                   draft_probs: torch.Tensor | None, sampler: TokenSampler, head: torch.Tensor | None = None,
-                  rollback: bool = True) -> Verified:
+                  rollback: bool = True, ensemble: bool = False) -> Verified:
     """Verify drafts with `model`: the target of a step, or a hierarchy's intermediate model.
 
     One forward over each active row's tokens not yet fed up to its length and its drafts [n, w],
@@ -92,6 +107,8 @@ def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor
     the model's cache keeps each row's accepted drafts and forgets the rest (else the caller does,
     from `spec_start`, when it has read the counts). head: [n, vocab] logits of the position at
     each row's end, when the model has fed every row up to there: only the drafts are fed.
+    ensemble: verify with the sampler's ensemble weight (the target's verification only: a
+    hierarchy's intermediate stays lossless).
     """
     width = drafts.shape[1]
     draft_real = torch.arange(width, device=draft_lens.device)[None, :] < draft_lens[:, None]
@@ -109,7 +126,8 @@ def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor
             pending, real = torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1)
         logits = model.forward(pending, real, width + 1)
     scores = sampler.scores(batch, logits)                            # [n, w+1, vocab]
-    result = verify(drafts, draft_lens, scores, draft_probs, sampler.do_sample, sampler.generator)
+    result = verify(drafts, draft_lens, scores, draft_probs, sampler.do_sample, sampler.generator,
+                    sampler.ensemble_weight if ensemble else None)
     if rollback:
         model.rollback(spec_start, result.num_accepted)
     return Verified(result, scores, logits, spec_start)

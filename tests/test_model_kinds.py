@@ -57,7 +57,6 @@ def _transformers_alone(model, **kwargs):
 
 
 @pytest.mark.parametrize("make,setting,reason", [
-    (_llama, {"assistant_ensemble_weight": 0.5}, "assistant_ensemble_weight=0.5"),
     (_llama, {"output_scores": True, "return_dict_in_generate": True}, "output_scores=True"),
     (tiny_t5, {}, "encoder-decoder target"),
 ])
@@ -75,6 +74,23 @@ def test_calls_our_loop_cannot_run_get_transformers_own_result(make, setting, re
     assert not hasattr(out, "spec_stats")                                       # Transformers' loop ran it
     warnings = [r.getMessage() for r in caplog.records if "Transformers' own assisted generation" in r.getMessage()]
     assert len(warnings) == 1 and reason in warnings[0]
+
+
+def test_ensemble_verification_runs_batched_with_transformers_own_result():
+    """assistant_ensemble_weight (lossy): our loop, batched, with Transformers' draft lengths; each
+    row of a padded batch is what Transformers' own loop returns for that row alone."""
+    target = _llama()
+    draft = noisy_copy(target, 0.6)
+    ids, mask = prompts(3, seed=2, min_len=4, max_len=9, vocab=VOCAB)
+    kwargs = dict(assistant_model=draft, assistant_ensemble_weight=0.3, max_new_tokens=16, do_sample=False)
+    alone = [target.generate(input_ids=ids[r:r + 1, int((mask[r] == 0).sum()):], **kwargs)[0, -16:] for r in range(3)]
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, -16:]
+    hf_specdec.enable(target)
+    out = target.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+    assert out.spec_stats.ensemble_weight == 0.3                          # flagged lossy
+    for r in range(3):
+        assert torch.equal(out.sequences[r, -16:], alone[r]), r
+    assert not torch.equal(out.sequences[:, -16:], plain)                 # (lossy indeed: the test has power)
 
 
 def test_sliding_windows_need_attention_that_takes_a_4d_mask():

@@ -220,3 +220,27 @@ def test_negative_control_broken_sampler_is_caught_on_the_static_path(setup, mon
     monkeypatch.setattr(verify_module, "verify", broken_verify)
     tv = 0.5 * (empirical(target, draft, prompt, N, seed=6, policy="fixed:2", sampling=STATIC) - exact).abs().sum()
     assert tv > 3 * TV_BOUND, f"a broken acceptance rule went unnoticed (TV {tv:.4f})"
+
+
+def test_ensemble_verification_follows_its_formula_not_the_target(setup):
+    """assistant_ensemble_weight w (Transformers' lossy ensemble verification): with one draft,
+    the first token is x with probability q(x) a(x) + (1 - sum_y q(y) a(y)) r(x), a = min(1,
+    1 - w + w p / q), r = norm(max(0, p - q)). The empirical frequencies match that formula, which
+    lies far from the target's own p: a lossless sampler would fail this test."""
+    target, draft, prompt, _ = setup
+    w = 0.3
+    p, q = (exact_distribution(m, prompt, 1) for m in (target, draft))
+    accept = torch.clamp(1 - w + w * p / q, max=1.0)
+    residual = (p - q).clamp(min=0)
+    formula = q * accept + (1 - (q * accept).sum()) * residual / residual.sum()
+    assert 0.5 * (formula - p).abs().sum() > 3 * TV_BOUND                   # the test has power
+    first = empirical(target, draft, prompt, N, seed=8, sampling={**SAMPLING, "assistant_ensemble_weight": w}).sum(1)
+    assert 0.5 * (first - formula).abs().sum() < TV_BOUND
+    assert 0.5 * (first - p).abs().sum() > 2 * TV_BOUND
+
+
+def test_ensemble_verification_is_refused_with_prompt_lookup(setup):
+    target, _, prompt, _ = setup
+    with pytest.raises(ValueError, match="assistant_ensemble_weight needs drafters with a distribution"):
+        spec(target, [hf_specdec.PromptLookupDrafter()], "fixed:2", input_ids=prompt, max_new_tokens=4,
+             assistant_ensemble_weight=0.5)

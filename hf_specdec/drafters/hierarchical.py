@@ -113,7 +113,7 @@ class HierarchicalDrafter(Drafter):
         tokens = batch.tokens[rows[:, None], start[:, None] + torch.arange(width, device=start.device)[None, :]]
         dist = self.sampler.probs(scores)
         confidence = dist.gather(-1, tokens[..., None]).squeeze(-1)
-        return Proposal(tokens, produced.clamp(max=k), dist if self.sampler.do_sample else None, confidence)
+        return Proposal(tokens, produced.clamp(max=k), dist if self.sampler.keeps_probs else None, confidence)
 
     def _context(self, batch: SequenceBatch) -> StepContext:
         rows = batch.active

@@ -60,7 +60,7 @@ class ModelDrafter(Drafter):
             scores = self.sampler.scores(batch, logits, offset=j)[:, 0]   # [n, vocab]
             token = self.sampler.pick(scores)
             dist = self.sampler.probs(scores)
-            if self.sampler.do_sample:
+            if self.sampler.keeps_probs:
                 probs.append(dist)
             confidence.append(dist.gather(1, token[:, None]).squeeze(1))
             batch.tokens[rows, start + j] = token         # processors of position j+1 read it
