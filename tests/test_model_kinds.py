@@ -199,3 +199,15 @@ def test_every_registered_decoder_only_type_keeps_its_result_under_enable(caplog
         hf_specdec.disable(target)
     logging.getLogger(__name__).info("model types: %s", groups)
     assert len(groups["ours"]) >= 20 and len(groups["transformers"]) >= 3, groups
+
+
+def test_early_exit_drafting_is_transformers_own_untouched():
+    """assistant_early_exit=n (the target's first n layers draft): no drafter of ours is named, so
+    the call is Transformers' own, before and after enable()."""
+    target = build("llama", 3, seed=0, vocab=VOCAB)
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(input_ids=ids, assistant_early_exit=1, max_new_tokens=12, do_sample=False)
+    alone = target.generate(**kwargs)
+    hf_specdec.enable(target)
+    assert torch.equal(target.generate(**kwargs), alone)
+    assert torch.equal(alone, target.generate(input_ids=ids, max_new_tokens=12, do_sample=False))
