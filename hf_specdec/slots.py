@@ -20,7 +20,6 @@ from . import _compat
 from .compiled import compiled_forwards, rows_bucket, width_tier
 
 
-
 def static_capacity(tokens: int) -> int:
     """Slots per row of a static cache for rows of up to `tokens` tokens: with 64 to spare (room
     for drafts before a compaction), a power of two, at least 256: growing is rare, and each
