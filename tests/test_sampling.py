@@ -40,14 +40,16 @@ def empirical(target, drafter, prompt, n, seed, policy="fixed:1", sampling=SAMPL
     return counts / n
 
 
-def broken_verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator=None):
+def broken_verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator=None,
+                  ensemble_weight=None):
     """Accepts every draft: what a sampler that skips the p/q test would do."""
     n, k = draft_tokens.shape
     bonus = torch.multinomial(target_scores[:, -1].softmax(-1), 1, generator=generator).squeeze(1)
     return VerifyResult(draft_lens.clone(), bonus)
 
 
-def residual_from_p_verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator=None):
+def residual_from_p_verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator=None,
+                           ensemble_weight=None):
     """Correct accept test, but resamples from p instead of norm(max(0, p - q)) after a rejection."""
     res = verify(draft_tokens, draft_lens, target_scores, draft_probs, do_sample, generator)
     rows = torch.arange(len(draft_tokens))
