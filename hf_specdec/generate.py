@@ -34,6 +34,8 @@ from .verify import target_verify
 
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+# Transformers' own drafting kinds (its loop, batch 1): with assistant_models= they would be dropped
+_TRANSFORMERS_DRAFTING = ("speculation_type", "use_mtp", "assistant_early_exit")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV cache is preallocated
 GRAPHABLE_ATTENTION = ("sdpa", "eager")     # attention a compiled static forward can run inside a CUDA graph
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
@@ -639,6 +641,11 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
     for flag in _UNSUPPORTED_OUTPUTS:
         if getattr(generation_config, flag, False):
             raise ValueError(f"{flag}=True is not supported with speculative decoding yet")
+    for name in _TRANSFORMERS_DRAFTING:
+        if getattr(generation_config, name, None) not in (None, False):
+            raise ValueError(f"{name}={getattr(generation_config, name)!r} is Transformers' own drafting, which "
+                             "hf_specdec's loop does not run; without assistant_models= (and with "
+                             "hf_specdec.enable(model), without spec_policy=) Transformers runs it")
     unknown = sorted(k for k, v in model_kwargs.items() if k not in _KNOWN_MODEL_KWARGS and v is not None)
     if unknown:
         raise ValueError(f"model inputs {unknown} are not supported with speculative decoding; "

@@ -78,6 +78,11 @@ def test_unsupported_outputs_refused(models):
     check_error(models, ValueError, "output_scores", output_scores=True, return_dict_in_generate=True)
 
 
+@pytest.mark.parametrize("setting", [dict(speculation_type="dflash"), dict(use_mtp=True), dict(assistant_early_exit=1)])
+def test_transformers_own_drafting_kinds_are_not_dropped(models, setting):
+    check_error(models, ValueError, f"{next(iter(setting))}=.* is Transformers' own drafting", **setting)
+
+
 def test_drafter_index_out_of_range(models):
     check_error(models, ValueError, r"FixedDrafter\(3\)",
                 policy=hf_specdec.SpecPolicy(selector=hf_specdec.FixedDrafter(3)))
