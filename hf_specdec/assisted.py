@@ -32,6 +32,7 @@ from transformers import GenerationConfig
 
 from . import _compat
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from .generate import TRANSFORMERS_DRAFTING, UNSUPPORTED_OUTPUTS
 from .policies import ConfidenceThreshold, FixedLength, HFHeuristic
 from .policies.base import non_negative_int, probability
 
@@ -50,8 +51,7 @@ def wants_assisted(model, kwargs: dict) -> bool:
 
 
 # settings of Transformers' assisted generation that only its own loop runs (at batch 1)
-TRANSFORMERS_ONLY = ("speculation_type", "assistant_early_exit", "use_mtp",
-                     "output_scores", "output_logits", "output_attentions", "output_hidden_states")
+TRANSFORMERS_ONLY = TRANSFORMERS_DRAFTING + UNSUPPORTED_OUTPUTS
 
 
 def transformers_only(model, kwargs: dict) -> str | None:

@@ -33,9 +33,9 @@ from .timing import PhaseClock
 from .verify import target_verify
 
 
-_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 # Transformers' own drafting kinds (its loop, batch 1): with assistant_models= they would be dropped
-_TRANSFORMERS_DRAFTING = ("speculation_type", "use_mtp", "assistant_early_exit")
+TRANSFORMERS_DRAFTING = ("speculation_type", "use_mtp", "assistant_early_exit")
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV cache is preallocated
 GRAPHABLE_ATTENTION = ("sdpa", "eager")     # attention a compiled static forward can run inside a CUDA graph
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
@@ -638,10 +638,10 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
     if generation_config.num_beams > 1:
         raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
                          "speculative decoding; use num_beams=1")
-    for flag in _UNSUPPORTED_OUTPUTS:
+    for flag in UNSUPPORTED_OUTPUTS:
         if getattr(generation_config, flag, False):
             raise ValueError(f"{flag}=True is not supported with speculative decoding yet")
-    for name in _TRANSFORMERS_DRAFTING:
+    for name in TRANSFORMERS_DRAFTING:
         if getattr(generation_config, name, None) not in (None, False):
             raise ValueError(f"{name}={getattr(generation_config, name)!r} is Transformers' own drafting, which "
                              "hf_specdec's loop does not run; without assistant_models= (and with "
