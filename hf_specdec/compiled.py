@@ -53,7 +53,9 @@ class CompiledForwards:
     or None) the rows and the width are marked dynamic here and other sizes (the cache's capacity)
     follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile.
     `warmups` counts calls that were among the first WARMUP_CALLS of their concrete shape (on a
-    GPU: compiling or recording, not a steady cost)."""
+    GPU: compiling or recording, not a steady cost); `all_warmups`, over every model."""
+
+    all_warmups = 0
 
     def __init__(self, compile_config):
         options = compile_config.to_dict()
@@ -82,7 +84,9 @@ class CompiledForwards:
         torch._dynamo.maybe_mark_dynamic(cache_position, 0)
         key = (*input_ids.shape, masks[0].shape[-1], cache_address)
         calls = self.calls[key] = self.calls.get(key, 0) + 1
-        self.warmups += calls <= WARMUP_CALLS
+        if calls <= WARMUP_CALLS:
+            self.warmups += 1
+            CompiledForwards.all_warmups += 1
         logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
         return logits.clone()          # the next call overwrites a CUDA graph's outputs
 
@@ -102,4 +106,4 @@ def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForward
 def warmup_calls() -> int:
     """Compiled calls so far, over every model, that were warm-ups of their shape: a step during
     which this moved held one (`StepRecord.warmup`)."""
-    return sum(f.warmups for per_config in list(_COMPILED.values()) for f in per_config.values())
+    return CompiledForwards.all_warmups       # (read twice a step: a counter, not a sum over models)
