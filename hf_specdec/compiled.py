@@ -52,8 +52,8 @@ class CompiledForwards:
     `dynamic`: the config's True makes every size symbolic; otherwise (Transformers' default False,
     or None) the rows and the width are marked dynamic here and other sizes (the cache's capacity)
     follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile.
-    `warmups` counts calls that were among the first WARMUP_CALLS of their concrete shape (on a
-    GPU: compiling or recording, not a steady cost); `all_warmups`, over every model."""
+    `all_warmups` counts calls, over every model, that were among the first WARMUP_CALLS of their
+    concrete shape (on a GPU: compiling or recording, not a steady cost)."""
 
     all_warmups = 0
 
@@ -64,7 +64,6 @@ class CompiledForwards:
         fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "compiled_forward")
         self.function, self.code = torch.compile(fresh, **options), fresh.__code__
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
-        self.warmups = 0
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,
@@ -85,7 +84,6 @@ class CompiledForwards:
         key = (*input_ids.shape, masks[0].shape[-1], cache_address)
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if calls <= WARMUP_CALLS:
-            self.warmups += 1
             CompiledForwards.all_warmups += 1
         logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
         return logits.clone()          # the next call overwrites a CUDA graph's outputs
