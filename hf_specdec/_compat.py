@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 SUPPORTED_TRANSFORMERS = ">=5.23,<6"
@@ -75,8 +76,7 @@ def new_static_cache(model: torch.nn.Module, capacity: int):
     config = model.config
     if sliding_window(model):
         config = copy.deepcopy(config.get_text_config(decoder=True))
-        config.layer_types = ["full_attention"] * config.num_hidden_layers
-        config.sliding_window = None
+        config.layer_types = ["full_attention"] * config.num_hidden_layers   # (kv_sharing_modes still apply)
     return StaticCache(config=config, max_cache_len=capacity)
 
 
@@ -106,7 +106,8 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
     if getattr(model, "_is_stateful", False):
         return "stateful (recurrent)"
     kinds = layer_kinds(model)
-    other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention"})
+    # "dummy": a layer that reads another layer's K/V (Gemma 4's KV sharing) and keeps none
+    other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention", "dummy"})
     if other:
         return f"{other[0]}"
     windows = {w for kind, w in kinds if kind == "sliding_attention"}
@@ -141,6 +142,39 @@ def reads_target_states(assistant) -> bool:
     return type(assistant).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
 
 
+def kv_sharing_sources(model: torch.nn.Module) -> dict[str, int]:
+    """Per attention kind, the layer whose K/V a Gemma 4 assistant reads (`shared_kv_states`): the
+    target's "store" layers (the last of each kind before its KV-sharing layers), else the last
+    layer of each kind."""
+    config = model.config.get_text_config()
+    kinds = config.layer_types
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * len(kinds)
+    sources = {kind: i for i, (kind, mode) in enumerate(zip(kinds, modes)) if mode == "store"}
+    return sources or {kind: i for i, kind in enumerate(kinds)}
+
+
+def layer_kv(cache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index`'s keys and values [rows, heads, slots, dim] in `cache` (dynamic or static)."""
+    layer = cache.layers[index]
+    return layer.keys, layer.values
+
+
+def assistant_step(assistant: torch.nn.Module, inputs_embeds: torch.Tensor, masks: dict[str, torch.Tensor],
+                   positions: torch.Tensor, shared_kv: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafting step of a Gemma 4 assistant (`Gemma4AssistantForCausalLM` and its unified kind)
+    on inputs_embeds [n, 1, 2 x target hidden] (the target's embedding of the last token and its
+    hidden state) at positions [n, 1], attending the target's `shared_kv` through our 4-D `masks`
+    by layer kind (its own forward builds them from a 2-D padding mask, which cannot mark a slot
+    cache's holes). Returns (logits [n, 1, vocab], its next hidden state [n, 1, target hidden])."""
+    hidden = assistant.model(inputs_embeds=assistant.pre_projection(inputs_embeds), attention_mask=masks,
+                             position_ids=positions, shared_kv_states=shared_kv, use_cache=False).last_hidden_state
+    if assistant.config.use_ordered_embeddings:
+        logits = assistant.masked_embedding(hidden, assistant.lm_head.weight)
+    else:
+        logits = assistant.lm_head(hidden)
+    return logits, assistant.post_projection(hidden)
+
+
 def static_cache_position(first_slot: int, width: int, device) -> torch.Tensor:
     """The slots [width] a forward writes in a static cache: `first_slot` on. (5.24's StaticLayer
     writes at its own running length, which callers keep equal to first_slot.)"""
@@ -173,13 +207,18 @@ def attn_implementation(model: torch.nn.Module) -> str:
 
 def set_static_length(cache, length: int) -> None:
     """Where the next write of every layer of a StaticCache goes (5.24: `cumulative_length`)."""
-    for layer in cache.layers:
+    for layer in _storing(cache):
         layer.cumulative_length.fill_(length)
+
+
+def _storing(cache) -> list:
+    """The layers of `cache` that keep K/V of their own (not a KV-sharing layer's `DummyLayer`)."""
+    return [layer for layer in cache.layers if not isinstance(layer, DummyLayer)]
 
 
 def static_layers(cache) -> list:
     """The initialised layers of a StaticCache: their `keys` / `values` are [n, heads, capacity, dim]."""
-    return [layer for layer in cache.layers if layer.is_initialized]
+    return [layer for layer in _storing(cache) if layer.is_initialized]
 
 
 def repeat_rows(cache: DynamicCache, times: int) -> None:
@@ -196,7 +235,7 @@ def crop(cache: DynamicCache, num_slots: int) -> None:
 def drop_front(cache: DynamicCache, num_slots: int) -> None:
     """Drop the first `num_slots` slots of every row."""
     if num_slots > 0:
-        for layer in cache.layers:
+        for layer in _storing(cache):
             if layer.is_initialized and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[..., num_slots:, :], layer.values[..., num_slots:, :]
 
@@ -212,7 +251,7 @@ def append_rows(cache: DynamicCache, rows: int, other: DynamicCache, other_rows:
     cache without slots yet contributes only such padding."""
     def filled(layer):
         return layer.is_initialized and layer.keys.numel() > 0
-    for layer, extra in zip(cache.layers, other.layers):
+    for layer, extra in zip(_storing(cache), _storing(other)):
         parts = [(part, n, filled(part)) for part, n in ((layer, rows), (extra, other_rows))]
         full = [part for part, _, has_slots in parts if has_slots]
         if not full:

@@ -69,17 +69,26 @@ def transformers_only(model, kwargs: dict) -> str | None:
     if model.config.is_encoder_decoder:
         return f"an encoder-decoder target ({type(model).__name__})"
     assistant = kwargs.get("assistant_model")
-    for name, one in [("the target", model)] + ([("assistant_model", assistant)]
-                                                 if isinstance(assistant, torch.nn.Module) else []):
+    own_model = isinstance(assistant, torch.nn.Module) and not _compat.reads_target_states(assistant)
+    for name, one in [("the target", model)] + [("assistant_model", assistant)] * own_model:
         layers = _compat.unsupported_layers(one)
         if layers:
             return f"{name} ({type(one).__name__}) has {layers} layers"
         missing = _compat.slot_cache_inputs_missing(one)
         if missing:
-            return f"{name} ({type(one).__name__}) takes no {missing}"
-    if _compat.reads_target_states(assistant):
-        return f"assistant_model is a {type(assistant).__name__}, which drafts from the target's own states"
+            return f"{name} ({type(one).__name__}) takes no {missing} argument"
+    if _compat.reads_target_states(assistant) and _compiles(model, kwargs):
+        return (f"assistant_model is a {type(assistant).__name__}, which our loop runs on eager forwards only "
+                "(cache_implementation='static' compiles them here)")
     return None
+
+
+def _compiles(model, kwargs: dict) -> bool:
+    """Whether this call would compile the decoding forwards (a static cache where Transformers compiles)."""
+    config = kwargs.get("generation_config") or model.generation_config
+    if _setting("cache_implementation", kwargs, config) != "static":
+        return False
+    return _compat.compile_config(model, config) is not None
 
 
 def translate(model, kwargs: dict) -> tuple[dict, object]:

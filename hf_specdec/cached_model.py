@@ -35,6 +35,10 @@ class CachedModel:
         self.full_layers_too = any(kind == "full_attention" for kind, _ in _compat.layer_kinds(model))
         self.slots = None
         self.forwards = 0   # in this generate() call
+        # for a drafter that reads the target's states (`keeps_hidden`, set by it): per row, the
+        # final hidden state [n, hidden] that predicted the row's last fed-and-kept token's successor
+        self.keeps_hidden = False
+        self.last_hidden = None
 
     def reset(self, batch: SequenceBatch, from_first_real: bool = False) -> None:
         """An empty cache for the active rows. from_first_real: each row starts at its first real
@@ -48,6 +52,7 @@ class CachedModel:
         else:
             self.slots = DynamicSlots(self.model, n, self.device)
         self.static = batch.static_cache
+        self.last_hidden = None
         self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
         self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
@@ -132,38 +137,50 @@ class CachedModel:
         logits = self.slots.forward(self, tokens, real, positions, keep)
         self.num_real += real.sum(1)
         self.forwards += 1
+        if self.keeps_hidden:
+            self._keep_hidden(real, keep)
         return logits[:n, -keep:].to(device=out_device, dtype=torch.float32)
 
     def eager(self, cache, tokens, mask, positions, keep, **kwargs) -> torch.Tensor:
         """The model's own forward over `cache` (for the storages): logits [rows, >= keep, vocab]."""
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        return self.model(input_ids=tokens, attention_mask=self.model_mask(mask, positions), position_ids=positions,
-                          use_cache=True, **_compat.cache_kwargs(self.model, cache), **kwargs).logits
+        if self.keeps_hidden:
+            kwargs["output_hidden_states"] = True
+        out = self.model(input_ids=tokens, attention_mask=self.model_mask(mask, positions), position_ids=positions,
+                         use_cache=True, **_compat.cache_kwargs(self.model, cache), **kwargs)
+        if self.keeps_hidden:
+            self._hidden = out.hidden_states[-1][:, -keep:]
+        return out.logits
+
+    def _keep_hidden(self, real: torch.Tensor, keep: int) -> None:
+        """After a forward of real [n, w]: each row's hidden state at its last real token (rows
+        without one keep theirs), and the kept columns [n, keep, hidden] for `rollback` to pick
+        the last accepted one from (they are slots `_hidden_from` on)."""
+        n, w = real.shape
+        hidden = self._hidden[:n]
+        self._hidden_from = self.num_slots - keep
+        last = (w - 1 - real.flip(1).int().argmax(1)) - (w - keep)          # [n] column of the last real token
+        picked = hidden[torch.arange(n, device=hidden.device), last.clamp(0, keep - 1)]
+        has_real = real.any(1)[:, None]
+        self.last_hidden = picked if self.last_hidden is None else torch.where(has_real, picked, self.last_hidden)
+        self._spec_hidden = hidden
+
+    def layer_states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values [n, heads, slots, dim] (the slots of `slot_mask`)."""
+        keys, values = _compat.layer_kv(self.slots.cache, index)
+        n, used = len(self.num_real), self.num_slots
+        return keys[:n, :, :used], values[:n, :, :used]
 
     def model_mask(self, slots: torch.Tensor | None, positions: torch.Tensor):
         """The attention mask the model gets for a forward at `positions` [rows, w] over slots
         [rows, s] (the forward's own included; None: no holes, no window): the slot mask itself, or
-        with sliding-window layers 4-D masks [rows, 1, w, s] built from each slot's real position
-        (the real slots before it): causal, and for sliding layers within the window. A mapping by
-        layer kind for models with both kinds, as Transformers' own masks for them are."""
+        with sliding-window layers `window_masks`, as a mapping by layer kind for models with both
+        kinds (as Transformers' own masks for them are)."""
         if self.window is None:
             return slots
-        key_positions = slots.long().cumsum(1)[:, None, :] - 1                          # [rows, 1, s]
-        query_positions = positions[:, :, None]                                         # [rows, w, 1]
-        causal = slots[:, None, :] & (key_positions <= query_positions)                 # [rows, w, s]
-        sliding = causal & (query_positions - key_positions < self.window)
-        masks = {"full_attention": causal, "sliding_attention": sliding}
-        masks = {kind: self._as_attention_mask(m[:, None]) for kind, m in masks.items()}
+        masks = window_masks(self.model, slots, positions, self.window)
         return masks if self.full_layers_too else masks["sliding_attention"]
-
-    def _as_attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A boolean 4-D mask as the model's attention takes it: boolean (sdpa), or additive (eager)."""
-        if _compat.attn_implementation(self.model) == "sdpa":
-            return allowed
-        dtype = next(self.model.parameters()).dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                          torch.finfo(dtype).min)
 
     def rollback(self, spec_start: int, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
         """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]` (host_keep:
@@ -180,6 +197,9 @@ class CachedModel:
         self.num_real -= drop.sum(1)
         self.slot_mask[:, spec_start:] = spec & ~drop
         self._holes = None
+        if self.keeps_hidden:       # the last kept slot: the pending token's (spec_start - 1) + keep
+            column = spec_start - 1 + keep - self._hidden_from
+            self.last_hidden = self._spec_hidden[torch.arange(len(keep), device=keep.device), column]
         self.fed += keep.to(self.fed.device)
         if host_keep is None:
             self.host_fed = None
@@ -250,8 +270,31 @@ class CachedModel:
         on_device = keep.to(self.device)
         self.slots.select_rows(on_device)
         self.num_real = self.num_real[on_device]
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[on_device]
         self._holes = None
         self.fed = self.fed[keep]
         self.host_fed = None if host_keep is None or self.host_fed is None else [self.host_fed[i] for i in host_keep]
         if not self.static:      # (a static cache keeps its slots; holes there cost no memory)
             self._crop_holes()   # to no slots at all when no rows are left: joiners may `append`
+
+
+def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.Tensor,
+                 window: int) -> dict[str, torch.Tensor]:
+    """4-D masks [rows, 1, w, s] for queries at `positions` [rows, w] over slots [rows, s], built
+    from each slot's real position (the real slots before it), by layer kind: "full_attention"
+    causal, "sliding_attention" also within `window` tokens; in `model`'s attention's format."""
+    key_positions = slots.long().cumsum(1)[:, None, :] - 1                          # [rows, 1, s]
+    query_positions = positions[:, :, None]                                         # [rows, w, 1]
+    causal = slots[:, None, :] & (key_positions <= query_positions)                 # [rows, w, s]
+    sliding = causal & (query_positions - key_positions < window)
+    return {"full_attention": _as_attention_mask(model, causal[:, None]),
+            "sliding_attention": _as_attention_mask(model, sliding[:, None])}
+
+
+def _as_attention_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean 4-D mask as the model's attention takes it: boolean (sdpa), or additive (eager)."""
+    if _compat.attn_implementation(model) == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)

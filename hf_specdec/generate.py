@@ -22,7 +22,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from . import _compat, compiled, costmodel, distributed
 from .cached_model import CachedModel
-from .drafters import Drafter, Proposal, as_drafter, output_vocab_size
+from .drafters import Drafter, Proposal, TargetStatesDrafter, as_drafter, output_vocab_size
 from .offload import RESIDENT, DraftOffload, as_offload
 from .policies import Decision, SpecPolicy, StepContext, auto_policy, resolve_policy
 from .sampling import TokenSampler
@@ -133,6 +133,7 @@ class DecodingLoop:
         batch = self.batch
         self.target.reset(batch)
         for drafter in self.drafters:
+            drafter.follow(self.target)
             drafter.begin(batch, self.sampler)
         if self.offload is not None:
             self.offload.begin(self.drafters, batch)
@@ -604,6 +605,10 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
                          "decoding: hf_specdec sizes every model's cache from max_length itself")
     static = generation_config.cache_implementation == "static"
     compiling = static and _compat.compile_config(model, generation_config) is not None
+    reading = [i for i, d in enumerate(drafters) if isinstance(d, TargetStatesDrafter)]
+    if compiling and reading:
+        raise ValueError(f"assistant_models{reading} draft from the target's states, which hf_specdec reads from eager "
+                         "forwards only; cache_implementation='static' compiles them here: use the default cache")
     for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
                                                  for m in d.models()]:
         layers = _compat.unsupported_layers(one)

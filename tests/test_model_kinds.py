@@ -211,3 +211,64 @@ def test_early_exit_drafting_is_transformers_own_untouched():
     hf_specdec.enable(target)
     assert torch.equal(target.generate(**kwargs), alone)
     assert torch.equal(alone, target.generate(input_ids=ids, max_new_tokens=12, do_sample=False))
+
+
+def test_convolution_layers_run_in_transformers_own_loop():
+    """LFM2's short-convolution layers keep a state our slot masks cannot roll back: the call is
+    handed to Transformers' own loop (which crops them), with its result and one warning."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+    def lfm2(seed):
+        torch.manual_seed(seed)
+        return Lfm2ForCausalLM(Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1,
+                                          layer_types=["conv", "full_attention"], pad_token_id=0)).eval()
+    target, draft = lfm2(0), lfm2(1)
+    kwargs = dict(input_ids=torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1)),
+                  assistant_model=draft, max_new_tokens=12, do_sample=False)
+    alone = target.generate(**kwargs)
+    hf_specdec.enable(target)
+    try:
+        assert torch.equal(target.generate(**kwargs), alone)
+    finally:
+        hf_specdec.disable(target)
+    from hf_specdec import assisted
+    assert assisted.transformers_only(target, kwargs) == "the target (Lfm2ForCausalLM) has conv layers"
+
+
+def _deepseek_v3_with_mtp(path):
+    """A tiny DeepSeek-V3 checkpoint with its MTP layer: Transformers finds MTP weights by the real
+    checkpoint's layer number (61), so 61 tiny layers, and a 62nd saved as the MTP layer."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    def config(layers):
+        return DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                                n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                first_k_dense_replace=61, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8, num_mtp_layers=1, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config(62)).save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    projection = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    weights.update({"model.layers.61.eh_proj.weight": projection, "model.layers.61.enorm.weight": torch.ones(32),
+                    "model.layers.61.hnorm.weight": torch.ones(32),
+                    "model.layers.61.shared_head.norm.weight": torch.ones(32)})
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config(61).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_multi_token_prediction_is_transformers_own_untouched(tmp_path):
+    """use_mtp=True (the target's own MTP layer drafts, read from its checkpoint): no drafter of
+    ours is named, so the call is Transformers' own, before and after enable()."""
+    target = _deepseek_v3_with_mtp(tmp_path)
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(input_ids=ids, use_mtp=True, max_new_tokens=10, do_sample=False)
+    alone = target.generate(**kwargs)
+    assert torch.equal(alone, target.generate(input_ids=ids, max_new_tokens=10, do_sample=False))
+    hf_specdec.enable(target)
+    try:
+        assert torch.equal(target.generate(**kwargs), alone)
+    finally:
+        hf_specdec.disable(target)

@@ -53,6 +53,9 @@ class Drafter:
     def begin(self, batch: SequenceBatch, sampler: TokenSampler) -> None:
         self.sampler = sampler
 
+    def follow(self, target) -> None:
+        """The loop's target (a `CachedModel`), before `begin`: for a drafter that reads its states."""
+
     def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
         """Up to k drafts per active row; a drafter with confidences consults `controller` after
         each drafted token (its argument, the confidences so far [row][draft], may grow after the

@@ -1,9 +1,12 @@
 """A Transformers causal LM as drafter, with its own KV cache and per-row lag."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..cached_model import CachedModel
+from ..sampling import TokenSampler
 from ..sequences import SequenceBatch
 from ..verify import Verified, target_verify
 from .base import Controller, Drafter, Prediction, Proposal
@@ -16,6 +19,45 @@ def output_vocab_size(model: torch.nn.Module) -> int:
         return model.config.get_text_config().vocab_size
     # nn.Linear and its dynamically quantised form both say out_features; embeddings-tied heads too
     return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
+def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, controller: Controller | None,
+                  logits: torch.Tensor, advance: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> tuple[Proposal, torch.Tensor]:
+    """Up to k drafts per active row, each picked by the sampler from a model's logits [n, 1, vocab]
+    for the row's next position and written at the row's end (the processors of the next position
+    read it); advance(token [n]) feeds a draft and returns the logits after it (never called for
+    the last). controller: as in `Drafter.propose`. Returns the proposal and the logits each draft
+    was picked from [n, k', vocab]."""
+    rows = batch.active
+    start = batch.lengths[rows]
+    lengths = [k] * len(rows)                        # on the host: the controller answers in lists
+    drafts, probs, seen, confidence = [], [], [], []
+    asked = [[] for _ in range(len(rows))]           # confidences on the host, a column per draft
+    for j in range(k):
+        seen.append(logits[:, 0])
+        scores = sampler.scores(batch, logits, offset=j)[:, 0]        # [n, vocab]
+        token = sampler.pick(scores)
+        dist = sampler.probs(scores)
+        if sampler.keeps_probs:
+            probs.append(dist)
+        confidence.append(dist.gather(1, token[:, None]).squeeze(1))
+        batch.tokens[rows, start + j] = token
+        drafts.append(token)
+        if controller is not None and j < k - 1:
+            for row, c in zip(asked, confidence[-1].tolist()):
+                row.append(c)
+            # a row that says no keeps its j + 1 drafts (a row that stopped stays stopped)
+            lengths = [j + 1 if n == k and not more else n for n, more in zip(lengths, controller(asked))]
+            if k not in lengths:
+                break
+        if j < k - 1:
+            logits = advance(token)
+    # (without a controller every row drafted k: no host list to copy to the device)
+    lengths_now = torch.tensor(lengths, device=start.device) if controller is not None else \
+        torch.full_like(start, len(drafts))
+    return Proposal(torch.stack(drafts, 1), lengths_now, torch.stack(probs, 1) if probs else None,
+                    torch.stack(confidence, 1), host_lengths=lengths), torch.stack(seen, 1)
 
 
 class ModelDrafter(Drafter):
@@ -52,36 +94,11 @@ class ModelDrafter(Drafter):
         self._head = None
         self.runner.reserve(k - 1)                       # the drafts' own forwards (slots stay put)
         self._spec_start = self.runner.num_slots
-        lengths = [k] * len(rows)                        # on the host: the controller answers in lists
-        drafts, probs, seen, confidence = [], [], [], []
-        asked = [[] for _ in range(len(rows))]           # confidences on the host, a column per draft
-        for j in range(k):
-            seen.append(logits[:, 0])
-            scores = self.sampler.scores(batch, logits, offset=j)[:, 0]   # [n, vocab]
-            token = self.sampler.pick(scores)
-            dist = self.sampler.probs(scores)
-            if self.sampler.keeps_probs:
-                probs.append(dist)
-            confidence.append(dist.gather(1, token[:, None]).squeeze(1))
-            batch.tokens[rows, start + j] = token         # processors of position j+1 read it
-            drafts.append(token)
-            if controller is not None and j < k - 1:
-                for row, c in zip(asked, confidence[-1].tolist()):
-                    row.append(c)
-                # a row that says no keeps its j + 1 drafts (a row that stopped stays stopped)
-                lengths = [j + 1 if n == k and not more else n for n, more in zip(lengths, controller(asked))]
-                if k not in lengths:
-                    break
-            if j < k - 1:
-                logits = self.runner.forward(token[:, None], None, 1)          # all real
-        self._fed_drafts = len(drafts) - 1               # the last draft was never fed
-        self._known = torch.stack(seen, 1)               # [n, k', vocab] predicts start .. start+k'-1
-        self._known_start = start.clone()
-        # (without a controller every row drafted k: no host list to copy to the device)
-        lengths_now = torch.tensor(lengths, device=start.device) if controller is not None else \
-            torch.full_like(start, len(drafts))
-        return Proposal(torch.stack(drafts, 1), lengths_now, torch.stack(probs, 1) if probs else None,
-                        torch.stack(confidence, 1), host_lengths=lengths)
+        proposal, self._known = sample_drafts(self.sampler, batch, k, controller, logits,
+                                              lambda token: self.runner.forward(token[:, None], None, 1))
+        self._fed_drafts = proposal.tokens.shape[1] - 1  # the last draft was never fed
+        self._known_start = start.clone()                # _known [n, k', vocab] predicts start .. start+k'-1
+        return proposal
 
     def _caught_up(self, batch) -> bool:
         lag = self.runner.host_lag(batch.active_host_lengths())
