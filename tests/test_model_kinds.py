@@ -272,3 +272,26 @@ def test_multi_token_prediction_is_transformers_own_untouched(tmp_path):
         assert torch.equal(target.generate(**kwargs), alone)
     finally:
         hf_specdec.disable(target)
+
+
+def test_dflash_is_transformers_own_at_batch_1_and_a_clear_error_batched():
+    """speculation_type="dflash" (a block drafter conditioned on the target's hidden states): at
+    batch 1 Transformers' own result under enable(); batched, an error naming it before any work."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    target = build("llama", 3, seed=0, vocab=VOCAB)
+    torch.manual_seed(1)
+    assistant = MuseGlimmerAssistantModel(MuseGlimmerAssistantConfig(
+        vocab_size=VOCAB, hidden_size=target.config.hidden_size, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=64, block_size=4,
+        mask_token_id=VOCAB - 1, target_layer_ids=[0, 2], bos_token_id=1, eos_token_id=None, pad_token_id=0)).eval()
+    ids = torch.randint(3, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(assistant_model=assistant, speculation_type="dflash", max_new_tokens=12, do_sample=False)
+    alone = target.generate(input_ids=ids, **kwargs)
+    assert torch.equal(alone, target.generate(input_ids=ids, max_new_tokens=12, do_sample=False))
+    hf_specdec.enable(target)
+    try:
+        assert torch.equal(target.generate(input_ids=ids, **kwargs), alone)
+        with pytest.raises(ValueError, match=r"speculation_type='dflash': only Transformers' own .* 3 rows"):
+            target.generate(input_ids=ids.repeat(3, 1), **kwargs)
+    finally:
+        hf_specdec.disable(target)
