@@ -10,7 +10,7 @@ policy      hf-assisted[:k]  Transformers' own assisted generation (its code, no
                            step, constant schedule, no confidence stop (default k 5); @draft or @pld;
                            batch 1 only (Transformers refuses larger batches)
             auto           the default policy (spec_policy="auto")
-            fixed[:k]      k drafts every step (default 4)
+            fixed[:k]      k drafts every step (default 4; 0: our loop, never drafting)
             hf-heuristic   Transformers' num_assistant_tokens schedule (HFHeuristic)
             confidence     Transformers' assistant_confidence_threshold (ConfidenceThreshold)
             nightjar[:k]   a bandit per batch size over 0..k drafts, 0 = no speculation (default k 6)
@@ -74,8 +74,9 @@ def parse_method(name: str) -> Method:
         raise ValueError(f"unknown method {name!r}; use {USAGE}")
     if policy == HF_ASSISTED and drafter not in ("draft", "pld"):
         raise ValueError(f"method {name!r}: {HF_ASSISTED} runs Transformers' assisted generation with @draft or @pld")
-    if colon and (policy not in TAKES_K or not k.isdigit() or int(k) < 1):
-        raise ValueError(f"method {name!r}: ':k' takes an integer >= 1, for {', '.join(TAKES_K)} only")
+    if colon and (policy not in TAKES_K or not k.isdigit() or int(k) < (policy != "fixed")):
+        raise ValueError(f"method {name!r}: ':k' takes an integer >= 1 (fixed: >= 0, our loop without drafts), "
+                         f"for {', '.join(TAKES_K)} only")
     if (policy in SELECTORS) != (drafter == "pool"):
         raise ValueError(f"method {name!r}: {', '.join(SELECTORS)} choose among the drafters of @pool, "
                          "and only they take @pool")
@@ -153,7 +154,7 @@ class MethodFactory:
                         "exp3": lambda: EXP3Spec(seed=0)}[m.policy]()
             return hf_specdec.SpecPolicy(selector=selector, length=hf_specdec.FixedLength(k or 4))
         if m.policy == "fixed":
-            return hf_specdec.FixedLength(k or 4)
+            return hf_specdec.FixedLength(4 if k is None else k)
         if m.policy == "hf-heuristic":
             return hf_specdec.HFHeuristic()
         if m.policy == "confidence":

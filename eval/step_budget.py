@@ -1,0 +1,211 @@
+"""The speed budget of one decoding step on the real pair, per kernel choice: where the time goes.
+
+    python eval/step_budget.py --kernels onednn,onednn+int8-draft,int8-per-token --problems 3 \
+        --max-new-tokens 32
+
+For each kernel choice (how the pair's linear layers compute, KERNELS) the pair is loaded once, then
+  forwards  each model's forward time by width (1, 2, 3, 5, 9 tokens) after a chat prompt: what
+            verifying k drafts costs next to a one-token step, and what a draft step costs;
+  steps     plain generate() (Transformers' own) and our loop with fixed k = 0..8 drafts from the
+            0.5B, prompt lookup, the hierarchy (lookup -> 0.5B -> 1.5B) and the default policy, on
+            the same held-out HumanEval chat prompts, interleaved per prompt. Each of our steps is
+            split into the phases the loop times: drafting (draft forwards and catch-ups),
+            verification (the target's forward and `verify`) and the loop's own host work; with the
+            tokens a step emits (MAT) and tokens/s against plain of the same kernels.
+Greedy; every output is compared with plain generate() of the same kernels (eval/identity.py).
+Writes docs/results/step_budget/<name>.{json,md,png} after each kernel choice; a rerun resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_specdec import _compat
+from hf_specdec.embedded import cpu_bf16_matmul, load_model
+from harness import Results, generate, interleaved  # eval/ is on sys.path as a script
+from humaneval_data import load_problems, prompt_text
+from identity import compare_rows, counts, until_eos
+from methods import MethodFactory, parse_methods
+
+logger = logging.getLogger("step_budget")
+
+# name -> (target's load_model arguments, the draft's)
+KERNELS = {
+    "fp32": ({"dtype": torch.float32}, {"dtype": torch.float32}),
+    "onednn": ({"onednn": True}, {"onednn": True}),
+    "onednn+int8-draft": ({"onednn": True}, {"int8": "dynamic"}),
+    "int8-per-token": ({"int8": "per-token"}, {"int8": "per-token"}),
+    "bf16": ({"dtype": torch.bfloat16}, {"dtype": torch.bfloat16}),
+}
+SETTINGS = ("plain," + ",".join(f"fixed:{k}@draft" for k in range(9)) + ",fixed:4@pld,fixed:8@pld,fixed:4@hier,"
+            "auto@draft,auto@hier")
+# held out: not the demo's problems
+PROBLEMS = ["HumanEval/15", "HumanEval/31", "HumanEval/52", "HumanEval/60", "HumanEval/101", "HumanEval/124"]
+WIDTHS = (1, 2, 3, 5, 9)
+
+
+def forward_ms(model, input_ids: torch.Tensor, widths=WIDTHS, repeats: int = 5) -> dict[int, float]:
+    """Median ms of one forward of `w` tokens after the prompt `input_ids` [1, p], per width."""
+    cache = _compat.new_cache(model)
+    model(input_ids=input_ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+    out = {}
+    for w in widths:
+        times = []
+        for _ in range(repeats + 1):                                   # the first is a warm-up
+            t = time.perf_counter()
+            model(input_ids=input_ids[:, -w:], use_cache=True, **_compat.cache_kwargs(model, cache))
+            times.append(time.perf_counter() - t)
+            _compat.crop(cache, w)
+        out[w] = round(1e3 * statistics.median(times[1:]), 2)
+    return out
+
+
+def step_phases(stats) -> dict:
+    """Milliseconds per step of each phase our loop times, and tokens per step, over a call."""
+    steps = stats.steps
+    per = lambda f: 1e3 * sum(f(s) for s in steps) / len(steps)  # noqa: E731
+    return {"steps": len(steps), "draft_ms": per(lambda s: s.draft_s or 0.0), "verify_ms": per(lambda s: s.verify_s),
+            "host_ms": per(lambda s: s.overhead_s), "tokens": sum(sum(s.emitted) for s in steps)}
+
+
+def run_kernel(kernel: str, args, results: Results) -> None:
+    target_load, draft_load = KERNELS[kernel]
+    target, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", **target_load)
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **draft_load)
+    texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(problems=PROBLEMS[:args.problems])]
+    prompts = [tokenizer(t, return_tensors="pt", add_special_tokens=False) for t in texts]
+    forwards = {"target": forward_ms(target, prompts[0].input_ids), "draft": forward_ms(draft, prompts[0].input_ids)}
+    logger.info("%s forwards (ms by width): %s", kernel, forwards)
+
+    factory = MethodFactory(target, draft_model=draft)
+    methods = args.methods
+    eos = target.generation_config.eos_token_id
+    seconds = {m.name: [] for m in methods}
+    phases = {m.name: [] for m in methods}
+    tokens, verdicts = 0, {m.name: [] for m in methods}
+    for method in methods:                                   # warm: kernels, the default policy's profile
+        generate(target, factory, method, **prompts[0], max_new_tokens=2, do_sample=False)
+    for i, inputs in enumerate(tqdm(prompts, desc=kernel, leave=False)):
+        def run(method):
+            out = generate(target, factory, method, **inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+                           return_dict_in_generate=True)
+            if getattr(out, "spec_stats", None) is not None:
+                phases[method.name].append(step_phases(out.spec_stats))
+            return out.sequences
+        timing = interleaved(methods, run, rounds=1, warmup=False, offset=i)
+        plain = timing.outputs["plain"]
+        tokens += len(until_eos(plain[0, inputs.input_ids.shape[1]:], eos))
+        for method in methods:
+            seconds[method.name].append(timing.seconds[method.name][0])
+            verdicts[method.name] += compare_rows(target, inputs.input_ids, inputs.attention_mask, plain,
+                                                  timing.outputs[method.name], eos)
+    rows = {}
+    for method in methods:
+        total = sum(seconds[method.name])
+        row = {"tokens_per_s": round(tokens / total, 3),
+               "vs_plain": round(sum(seconds["plain"]) / total, 3),
+               "vs_plain_per_prompt": [round(p / s, 3) for p, s in zip(seconds["plain"], seconds[method.name])],
+               "identity": counts(verdicts[method.name])}
+        if phases[method.name]:
+            calls = phases[method.name]
+            steps = sum(c["steps"] for c in calls)
+            mean = lambda key: round(sum(c[key] * c["steps"] for c in calls) / steps, 2)  # noqa: E731
+            row.update(draft_ms=mean("draft_ms"), verify_ms=mean("verify_ms"), host_ms=mean("host_ms"),
+                       tokens_per_step=round(sum(c["tokens"] for c in calls) / steps, 3))
+        else:     # Transformers' plain generate(): one token a step
+            row.update(step_ms=round(1e3 * total / tokens, 2))
+        rows[method.name] = row
+    results.add({"kernel": kernel, "cpu_bf16_matmul": cpu_bf16_matmul(), "prompts": len(prompts),
+                 "prompt_tokens": [int(p.input_ids.shape[1]) for p in prompts], "tokens": tokens,
+                 "forward_ms": forwards, "methods": rows})
+    logger.info("%s: %s", kernel, {m: r["vs_plain"] for m, r in rows.items()})
+
+
+def markdown(payload) -> str:
+    args = payload["args"]
+    lines = [f"The real pair (Qwen2.5-Coder 1.5B target, 0.5B draft), batch 1, greedy, {args['max_new_tokens']} new "
+             f"tokens on held-out HumanEval chat prompts, methods interleaved per prompt. Per step of our loop: "
+             "milliseconds drafting, verifying (target forward + verify) and in the loop's host work, and tokens "
+             "emitted; plain is Transformers' own generate().", ""]
+    for cell in payload["cells"]:
+        fwd = cell["forward_ms"]
+        lines += [f"### {cell['kernel']}", "",
+                  "forward ms by width: target " + ", ".join(f"{w}: {ms}" for w, ms in fwd["target"].items())
+                  + "; draft " + ", ".join(f"{w}: {ms}" for w, ms in fwd["draft"].items()), "",
+                  "| method | tokens/s | vs plain [per prompt] | draft ms | verify ms | host ms | tokens/step | identical |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for name, r in cell["methods"].items():
+            per = r["vs_plain_per_prompt"]
+            i = r["identity"]
+            step = [f"{r[k]:.1f}" if k in r else "-" for k in ("draft_ms", "verify_ms", "host_ms")]
+            if "step_ms" in r:
+                step = ["-", f"{r['step_ms']:.1f} (a step)", "-"]
+            lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {r['vs_plain']:.2f}x [{min(per):.2f}, {max(per):.2f}] | "
+                         f"{' | '.join(step)} | {r.get('tokens_per_step', 1.0):.2f} | "
+                         f"{i['identical']} / {i['near_tie']} / {i['other']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(payload, path: Path) -> None:
+    """Per kernel: ms per generated token of each fixed k, stacked by phase, with plain's line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = payload["cells"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        ks = [(int(n.split(":")[1].split("@")[0]), r) for n, r in cell["methods"].items()
+              if n.startswith("fixed:") and n.endswith("@draft")]
+        bottom = [0.0] * len(ks)
+        for phase, colour in (("verify_ms", "tab:blue"), ("draft_ms", "tab:orange"), ("host_ms", "tab:grey")):
+            heights = [r[phase] / r["tokens_per_step"] for _, r in ks]
+            ax.bar([k for k, _ in ks], heights, bottom=bottom, color=colour, label=phase.split("_")[0])
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.axhline(cell["methods"]["plain"]["step_ms"], color="black", lw=1, label="plain generate()")
+        ax.set_xlabel("k (drafts a step, 0.5B)")
+        ax.set_ylabel("ms per generated token")
+        ax.set_title(cell["kernel"])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="onednn,onednn+int8-draft,int8-per-token")
+    parser.add_argument("--problems", type=int, default=3, help=f"how many of {PROBLEMS}")
+    parser.add_argument("--methods", default=SETTINGS, help="plain first, then eval/methods.py names")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--name", default=None, help="output name (default: the CPU's kind)")
+    parser.add_argument("--out-dir", default="docs/results/step_budget")
+    args = parser.parse_args(argv)
+    kernels = args.kernels.split(",")
+    for kernel in kernels:
+        if kernel not in KERNELS:
+            parser.error(f"--kernels: unknown {kernel!r}; known: {sorted(KERNELS)}")
+    if not 1 <= args.problems <= len(PROBLEMS):
+        parser.error(f"--problems must be in [1, {len(PROBLEMS)}]")
+    args.methods = parse_methods(args.methods)
+    if args.methods[0].name != "plain":
+        parser.error("--methods must start with plain (the reference)")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_grad_enabled(False)
+    name = args.name or ("bf16-matmul" if cpu_bf16_matmul() else "no-bf16-matmul")
+    results = Results(Path(args.out_dir) / name, dict(vars(args), kernels=kernels,
+                                                      methods=[m.name for m in args.methods]), markdown, plot)
+    for kernel in kernels:
+        if not results.done({"kernel": kernel}):
+            run_kernel(kernel, args, results)
+    print(markdown(results.payload))
+
+
+if __name__ == "__main__":
+    main()
