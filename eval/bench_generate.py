@@ -8,6 +8,7 @@ Environments:
               problems in the chat prompt (the real pair; fetched once, see hf_specdec.embedded);
   qwen-coder-onednn  the same in float32 with oneDNN linear layers (for CPUs without bf16 matrix
               instructions: hf_specdec.embedded.use_onednn_linears);
+  qwen-coder-cpu  the pair with the demo's kernels for this CPU (hf_specdec.embedded.cpu_kernels);
   smollm2     the embedded SmolLM2-135M-Instruct (fp32) on HumanEval prompts, drafters derived
               from it offline: bf16 copy, int8 copy, prompt lookup;
   gemma3      Gemma 3 270M (fp32; 5 of 6 layers a 512-token sliding window), a real model of that
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_specdec.embedded import cpu_kernels
 from hf_specdec.testing import exact_cheap_pair
 from harness import ForwardCounter, Results, generate, interleaved  # eval/ is on sys.path as a script
 from humaneval_data import load_problems, prompt_text
@@ -51,10 +53,11 @@ def chunks(prompts: list, batch: int) -> list[list]:
     return [c for c in out if len(c) == batch] or out[:1]
 
 
-def qwen_coder_env(args, onednn=False):
+def qwen_coder_env(args, onednn=False, kernels=None):
     from hf_specdec.embedded import load_model
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
+    target_load, draft_load = (kernels.target, kernels.draft) if kernels else ({"onednn": onednn},) * 2
+    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", **target_load)
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **draft_load)
     texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=args.problems)]
 
     def inputs(batch):
@@ -101,6 +104,7 @@ def tiny_exact_env(args):
 
 
 ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True),
+        "qwen-coder-cpu": lambda args: qwen_coder_env(args, kernels=cpu_kernels()),
         "smollm2": smollm2_env, "gemma3": gemma3_env, "tiny-exact": tiny_exact_env}
 METHODS = "plain,hf-assisted:5@draft,fixed:5@draft,auto@draft"
 

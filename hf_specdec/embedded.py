@@ -86,12 +86,27 @@ def cpu_bf16_matmul(cpuinfo: str | None = None) -> bool:
     return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
 
 
-def cpu_load_kwargs(cpuinfo: str | None = None) -> dict:
-    """`load_model` arguments for the fast path of this CPU: bf16 where it has bf16 matrix
-    instructions, else float32 through oneDNN (bf16 is emulated there: verifying a few tokens
-    costs several times a one-token step, eval/cpu_matmul.py)."""
+@dataclass(frozen=True)
+class CpuKernels:
+    """How the real pair computes on this CPU: `load_model` arguments of the target and the draft."""
+    target: dict
+    draft: dict
+    why: str
+
+
+def cpu_kernels(cpuinfo: str | None = None) -> CpuKernels:
+    """The pair's kernels for this CPU, by the committed step budget (eval/step_budget.py,
+    docs/results/step_budget/): bf16 where it has bf16 matrix instructions; else the target in
+    float32 through oneDNN (bf16 is emulated there: verifying a few tokens would cost several
+    one-token steps) and the draft with int8 weights (torch's dynamic quantisation: a draft step
+    at about a sixth of the target's; a draft's numbers may depend on its batch, the target's may
+    not, and do not)."""
     import torch
-    return {"dtype": torch.bfloat16} if cpu_bf16_matmul(cpuinfo) else {"onednn": True}
+    if cpu_bf16_matmul(cpuinfo):
+        return CpuKernels(target={"dtype": torch.bfloat16}, draft={"dtype": torch.bfloat16},
+                          why="bf16: this CPU has bf16 matrix instructions")
+    return CpuKernels(target={"onednn": True}, draft={"int8": "dynamic"},
+                      why="no bf16 matrix instructions here: the target in float32 through oneDNN, the draft in int8")
 
 
 def cache_dir() -> Path:

@@ -102,10 +102,11 @@ def test_per_token_int8_computes_each_row_on_its_own_and_stays_lossless():
     assert torch.equal(out, per_token.generate(**kwargs))
 
 
-def test_cpu_load_kwargs_pick_bf16_only_with_bf16_matrix_instructions():
-    from hf_specdec.embedded import cpu_bf16_matmul, cpu_load_kwargs
+def test_cpu_kernels_pick_bf16_only_with_bf16_matrix_instructions():
+    from hf_specdec.embedded import cpu_bf16_matmul, cpu_kernels
     amx = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
     avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
-    assert cpu_load_kwargs(amx) == {"dtype": torch.bfloat16} and cpu_bf16_matmul(amx)
-    assert cpu_load_kwargs(avx2) == {"onednn": True} and not cpu_bf16_matmul(avx2)
-    assert cpu_load_kwargs("flags\t: avx512_bf16\n") == {"dtype": torch.bfloat16}
+    assert cpu_kernels(amx).target == cpu_kernels(amx).draft == {"dtype": torch.bfloat16} and cpu_bf16_matmul(amx)
+    assert cpu_kernels(avx2).target == {"onednn": True} and cpu_kernels(avx2).draft == {"int8": "dynamic"}
+    assert not cpu_bf16_matmul(avx2)
+    assert cpu_kernels("flags\t: avx512_bf16\n").target == {"dtype": torch.bfloat16}
