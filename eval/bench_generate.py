@@ -124,6 +124,7 @@ def run_env(name, args, results: Results):
         seconds = {m.name: [] for m in methods}                  # [chunk]: median over repeats
         calls = {m.name: [] for m in methods}                    # per call: (target forwards, MAT numbers)
         tokens, verdicts = 0, {m.name: [] for m in methods}
+        chosen = {m.name: {} for m in methods}                   # ours: steps per draft length k
         if not warm:                                             # first use: caches, profiles, kernels
             for method in methods:
                 generate(model, factory, method, **parts[0], max_new_tokens=2, do_sample=False)
@@ -136,6 +137,9 @@ def run_env(name, args, results: Results):
                 stats = getattr(out, "spec_stats", None)
                 calls[method.name].append((forwards.count, (stats.tokens_generated, sum(r.batch_size for r in
                                                                                         stats.steps)) if stats else None))
+                if stats:
+                    for r in stats.steps:
+                        chosen[method.name][r.k] = chosen[method.name].get(r.k, 0) + 1
                 return out.sequences
             timing = interleaved(methods, run, args.repeats, warmup=False, offset=c)
             plain = timing.outputs["plain"]
@@ -158,6 +162,7 @@ def run_env(name, args, results: Results):
                 "target_forwards": round(fwd / len(calls[method.name]), 2),
                 "ms_per_target_forward": round(1e3 * sum(chunk) * args.repeats / fwd, 2) if fwd else None,
                 "identity": counts(verdicts[method.name]),
+                "steps_per_k": dict(sorted(chosen[method.name].items())),
                 "divergences": [v for v in verdicts[method.name] if v["verdict"] != "identical"]}
         for method in methods:                                   # ours against Transformers' assisted
             ref = rows.get(f"hf-assisted:{method.k or 5}@{method.drafter}") if method.ours else None
