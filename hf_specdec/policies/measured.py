@@ -131,7 +131,9 @@ class MeasuredGoodput(LengthPolicy):
 
     def _slope(self, batch_size: int) -> float:
         """A draft's cost in plain steps, between two drafting arms of the nearest bucket that
-        measured them and a plain step; else the prior."""
+        measured them and a plain step; else its drafting time alone, once measured (what a
+        longer draft adds to verifying is not known yet: the next tier's step measures it); else
+        the prior."""
         key = pow2_bucket(batch_size)
         for other in sorted(self.buckets, key=lambda b: abs(b.bit_length() - key.bit_length())):
             points = self.buckets[other].measured()
@@ -139,7 +141,7 @@ class MeasuredGoodput(LengthPolicy):
             if 0 in points and len(drafting) >= 2:
                 lo, hi = drafting[-2:]
                 return max((points[hi] - points[lo]) / (hi - lo) / points[0], 0.0)
-        return self.prior_slope
+        return self._draft_share()
 
     def goodputs(self, batch_size: int) -> dict[int, float]:
         """Predicted tokens per second (per row) of every arm; {} while nothing is measured."""
