@@ -36,7 +36,7 @@ class CachedModel:
         self.slots = None
         self.forwards = 0   # in this generate() call
         # for a drafter that reads the target's states (`keeps_hidden`, set by it): per row, the
-        # final hidden state [n, hidden] that predicted the row's last fed-and-kept token's successor
+        # final hidden state [n, hidden] at its last fed and kept token (what predicted the next)
         self.keeps_hidden = False
         self.last_hidden = None
 
@@ -158,13 +158,11 @@ class CachedModel:
         without one keep theirs), and the kept columns [n, keep, hidden] for `rollback` to pick
         the last accepted one from (they are slots `_hidden_from` on)."""
         n, w = real.shape
-        hidden = self._hidden[:n]
-        self._hidden_from = self.num_slots - keep
+        self._hidden, self._hidden_from = self._hidden[:n], self.num_slots - keep      # (no dummy rows)
         last = (w - 1 - real.flip(1).int().argmax(1)) - (w - keep)          # [n] column of the last real token
-        picked = hidden[torch.arange(n, device=hidden.device), last.clamp(0, keep - 1)]
+        picked = self._hidden[torch.arange(n, device=real.device), last.clamp(0, keep - 1)]
         has_real = real.any(1)[:, None]
         self.last_hidden = picked if self.last_hidden is None else torch.where(has_real, picked, self.last_hidden)
-        self._spec_hidden = hidden
 
     def layer_states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values [n, heads, slots, dim] (the slots of `slot_mask`)."""
@@ -199,7 +197,7 @@ class CachedModel:
         self._holes = None
         if self.keeps_hidden:       # the last kept slot: the pending token's (spec_start - 1) + keep
             column = spec_start - 1 + keep - self._hidden_from
-            self.last_hidden = self._spec_hidden[torch.arange(len(keep), device=keep.device), column]
+            self.last_hidden = self._hidden[torch.arange(len(keep), device=keep.device), column]
         self.fed += keep.to(self.fed.device)
         if host_keep is None:
             self.host_fed = None
