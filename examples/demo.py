@@ -44,6 +44,10 @@ def main():
         parser.error(f"--problems must be in [1, {len(PROBLEMS)}]")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     logging.basicConfig(level=logging.WARNING)
+    # Transformers probes torchao (installed for eval/step_budget.py) at load; its CUDA-only
+    # kernels and Enum registrations warn on a CPU machine, about nothing the demo uses
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_grad_enabled(False)
 
     start = time.perf_counter()
