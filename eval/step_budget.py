@@ -83,8 +83,16 @@ def run_kernel(kernel: str, args, results: Results) -> None:
     draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **draft_load)
     texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(problems=PROBLEMS[:args.problems])]
     prompts = [tokenizer(t, return_tensors="pt", add_special_tokens=False) for t in texts]
-    forwards = {"target": forward_ms(target, prompts[0].input_ids), "draft": forward_ms(draft, prompts[0].input_ids)}
-    logger.info("%s forwards (ms by width): %s", kernel, forwards)
+    results.add(dict(kernel=kernel, cpu_bf16_matmul=cpu_bf16_matmul(), **budget(target, draft, prompts, args)))
+    logger.info("%s: %s", kernel, {m: r["vs_plain"] for m, r in results.cells[-1]["methods"].items()})
+
+
+def budget(target, draft, prompts: list[dict], args) -> dict:
+    """One kernel choice's cell: forward times by width and every method's steps, over `prompts`
+    (each {"input_ids": [1, p], "attention_mask": [1, p]})."""
+    forwards = {"target": forward_ms(target, prompts[0]["input_ids"]),
+                "draft": forward_ms(draft, prompts[0]["input_ids"])}
+    logger.info("forwards (ms by width): %s", forwards)
 
     factory = MethodFactory(target, draft_model=draft)
     methods = args.methods
@@ -94,19 +102,19 @@ def run_kernel(kernel: str, args, results: Results) -> None:
     tokens, verdicts = 0, {m.name: [] for m in methods}
     for method in methods:                                   # warm: kernels, the default policy's profile
         generate(target, factory, method, **prompts[0], max_new_tokens=2, do_sample=False)
-    for i, inputs in enumerate(tqdm(prompts, desc=kernel, leave=False)):
+    for i, inputs in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         def run(method):
             out = generate(target, factory, method, **inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
                            return_dict_in_generate=True)
-            if getattr(out, "spec_stats", None) is not None:
+            if getattr(out, "spec_stats", None) is not None and len(out.spec_stats.steps) > 1:
                 phases[method.name].append(step_phases(out.spec_stats))
             return out.sequences
         timing = interleaved(methods, run, rounds=1, warmup=False, offset=i)
         plain = timing.outputs["plain"]
-        tokens += len(until_eos(plain[0, inputs.input_ids.shape[1]:], eos))
+        tokens += len(until_eos(plain[0, inputs["input_ids"].shape[1]:], eos))
         for method in methods:
             seconds[method.name].append(timing.seconds[method.name][0])
-            verdicts[method.name] += compare_rows(target, inputs.input_ids, inputs.attention_mask, plain,
+            verdicts[method.name] += compare_rows(target, inputs["input_ids"], inputs["attention_mask"], plain,
                                                   timing.outputs[method.name], eos)
     rows = {}
     for method in methods:
@@ -125,10 +133,8 @@ def run_kernel(kernel: str, args, results: Results) -> None:
         else:     # Transformers' plain generate(): one token a step
             row.update(step_ms=round(1e3 * total / tokens, 2))
         rows[method.name] = row
-    results.add({"kernel": kernel, "cpu_bf16_matmul": cpu_bf16_matmul(), "prompts": len(prompts),
-                 "prompt_tokens": [int(p.input_ids.shape[1]) for p in prompts], "tokens": tokens,
-                 "forward_ms": forwards, "methods": rows})
-    logger.info("%s: %s", kernel, {m: r["vs_plain"] for m, r in rows.items()})
+    return {"prompts": len(prompts), "prompt_tokens": [int(p["input_ids"].shape[1]) for p in prompts],
+            "tokens": tokens, "forward_ms": forwards, "methods": rows}
 
 
 def markdown(payload) -> str:
