@@ -82,7 +82,6 @@ def test_per_token_int8_computes_each_row_on_its_own_and_stays_lossless():
     the rows beside it, so speculation returns plain generate()'s tokens of that model; torch's
     dynamic int8 (one scale per call) is the control, whose rows do depend on each other."""
     import copy
-    pytest.importorskip("torchao")
     from hf_specdec.embedded import use_int8_linears
     from hf_specdec.testing import build, noisy_copy, prompts
     base = build("llama", layers=2, vocab=64, hidden=64, init=0.3).eval()

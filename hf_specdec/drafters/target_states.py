@@ -24,6 +24,7 @@ from .model import output_vocab_size, sample_drafts
 
 
 class TargetStatesDrafter(Drafter):
+    """A Gemma 4 assistant as a drafter; the loop hands it its target (`follow`)."""
 
     def __init__(self, model: torch.nn.Module, name: str | None = None):
         if not _compat.reads_target_states(model):
@@ -60,11 +61,13 @@ class TargetStatesDrafter(Drafter):
         masks = window_masks(self.model, slots, positions, self.window or slots.shape[1] + 1)
         shared_kv = {kind: target.layer_states(index) for kind, index in self.sources.items()}
         embed = target.model.get_input_embeddings()
-        state = {"hidden": target.last_hidden[:, None]}                        # [n, 1, hidden]
+        hidden = target.last_hidden[:, None]                                   # [n, 1, hidden]
 
         def advance(token: torch.Tensor) -> torch.Tensor:
-            inputs = torch.cat([embed(token.to(device)[:, None]), state["hidden"].to(device)], dim=-1)
-            logits, state["hidden"] = _compat.assistant_step(self.model, inputs, masks, positions, shared_kv)
+            """Feed drafts [n]: the logits of the next position [n, 1, vocab]."""
+            nonlocal hidden
+            inputs = torch.cat([embed(token.to(device)[:, None]), hidden.to(device)], dim=-1)
+            logits, hidden = _compat.assistant_step(self.model, inputs, masks, positions, shared_kv)
             self.forward_count += 1
             return logits.float().to(batch.tokens.device)
 
