@@ -50,17 +50,16 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
 
     if not do_sample:
         best = target_scores.argmax(-1)                                    # [n, k+1]
-        if ensemble_weight is None:
-            ok = (draft_tokens == best[:, :k]) & proposed
-            num_accepted = ok.long().cumprod(1).sum(1)
-            return VerifyResult(num_accepted, best[rows, num_accepted])
-        w = ensemble_weight
-        ensemble = (w * torch.softmax(target_scores[:, :k], -1) + (1 - w) * draft_probs).argmax(-1)   # [n, k]
-        ok = (draft_tokens == ensemble) & proposed
-        num_accepted = ok.long().cumprod(1).sum(1)
-        mismatch = num_accepted < draft_lens
-        return VerifyResult(num_accepted, torch.where(mismatch, ensemble[rows, num_accepted.clamp(max=k - 1)],
-                                                      best[rows, num_accepted]))
+        judge = best[:, :k]                                                # [n, k]: what a draft must equal
+        if ensemble_weight is not None:
+            w = ensemble_weight
+            judge = (w * torch.softmax(target_scores[:, :k], -1) + (1 - w) * draft_probs).argmax(-1)
+        num_accepted = ((draft_tokens == judge) & proposed).long().cumprod(1).sum(1)
+        next_tokens = best[rows, num_accepted]
+        if ensemble_weight is not None:      # at a mismatch the ensemble's token, else the bonus argmax p
+            mismatch = num_accepted < draft_lens
+            next_tokens = torch.where(mismatch, judge[rows, num_accepted.clamp(max=k - 1)], next_tokens)
+        return VerifyResult(num_accepted, next_tokens)
 
     target_probs = torch.softmax(target_scores, dim=-1)                    # [n, k+1, vocab]
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)   # [n, k]
