@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 import hf_specdec
 from hf_specdec.costmodel import CostProfile
-from hf_specdec.policies.base import SPEC_TIERS
+from hf_specdec.tiers import SPEC_TIERS
 from hf_specdec.serving import RelativeCosts, Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -3,19 +3,10 @@
     python eval/bench_generate.py --envs qwen-coder-onednn --batch-sizes 1 --problems 10 \
         --methods plain,hf-assisted:5@draft,fixed:5@draft,auto@draft --max-new-tokens 96 --repeats 2
 
-Environments:
-  qwen-coder  Qwen2.5-Coder-1.5B-Instruct (target) with the 0.5B as drafter, bf16, on HumanEval
-              problems in the chat prompt (the real pair; fetched once, see hf_specdec.embedded);
-  qwen-coder-onednn  the same in float32 with oneDNN linear layers (for CPUs without bf16 matrix
-              instructions: hf_specdec.embedded.use_onednn_linears);
-  qwen-coder-cpu  the pair with the demo's kernels for this CPU (hf_specdec.embedded.cpu_kernels);
-  smollm2     the embedded SmolLM2-135M-Instruct (fp32) on HumanEval prompts, drafters derived
-              from it offline: bf16 copy, int8 copy, prompt lookup;
-  gemma3      Gemma 3 270M (fp32; 5 of 6 layers a 512-token sliding window), a real model of that
-              kind offline, on prompts that cross its window while decoding (consecutive HumanEval
-              prompts joined to >= 448 tokens); drafters derived from it (@pld, @int8, ...);
-  tiny-exact  an 8-layer Llama whose layers 2.. are zeroed and a 1-layer draft computing exactly
-              its function (hf_specdec.testing.exact_cheap_pair): a perfect, cheap drafter.
+Environments (eval/envs.py): qwen-coder, qwen-coder-onednn, qwen-coder-cpu (the real pair on
+HumanEval problems in the chat prompt), smollm2 (drafters derived from it, on raw HumanEval prompts),
+gemma3 (on prompts that cross its sliding window while decoding: consecutive HumanEval prompts
+joined to >= 448 tokens; drafters derived from it), tiny-exact (a perfect, cheap drafter).
 Methods are eval/methods.py names run by eval/harness.py: `plain` and `hf-assisted` are
 Transformers' own generate() (never our loop), the others hf_specdec's. Transformers' assisted
 generation refuses batch > 1, so it runs at batch 1 only. The --problems prompts are taken `batch`
@@ -29,20 +20,18 @@ machine, after each (env, batch) cell; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
-from hf_specdec.embedded import cpu_kernels
-from hf_specdec.testing import exact_cheap_pair
-from harness import ForwardCounter, Results, generate, interleaved  # eval/ is on sys.path as a script
-from humaneval_data import load_problems, prompt_text
+from envs import ENVS, encode, humaneval_texts, random_ids
+from harness import (ForwardCounter, Results, arguments, check_identity, generate, interleaved,  # eval/ is on
+                     ints, parse)                                                         # sys.path as a script
 from identity import compare_rows, counts, until_eos
 from methods import MethodFactory, parse_methods
+from report import figure
 
 logger = logging.getLogger("bench_generate")
 
@@ -53,65 +42,38 @@ def chunks(prompts: list, batch: int) -> list[list]:
     return [c for c in out if len(c) == batch] or out[:1]
 
 
-def qwen_coder_env(args, onednn=False, kernels=None):
-    from hf_specdec.embedded import load_model
-    target_load, draft_load = (kernels.target, kernels.draft) if kernels else ({"onednn": onednn},) * 2
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", **target_load)
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **draft_load)
-    texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=args.problems)]
-
-    def inputs(batch):
-        return [dict(tokenizer(c, return_tensors="pt", padding=True, add_special_tokens=False))
-                for c in chunks(texts, batch)]
-    return model, draft, inputs
-
-
-def smollm2_env(args):
-    from hf_specdec.embedded import load_smollm2
-    model, tokenizer = load_smollm2()        # drafters derived from it: @bf16, @int8, @pld
-    prompts = [p["prompt"] for p in load_problems(limit=max(args.batch_sizes))]
-
-    def inputs(batch):
-        return [dict(tokenizer(prompts[:batch], return_tensors="pt", padding=True))]
-    return model, None, inputs
-
-
-def gemma3_env(args):
-    from hf_specdec.embedded import load_model
-    model, tokenizer = load_model("gemma-3-270m")
-    problems = [p["prompt"] for p in load_problems()]
+def window_texts(tokenizer, problems: int, tokens: int = 448) -> list[str]:
+    """`problems` prompts of consecutive HumanEval prompts joined to >= `tokens` tokens."""
+    raw = humaneval_texts(tokenizer, "raw")
     texts = []
-    for i in range(args.problems):
+    for i in range(problems):
         text, j = "", i
-        while len(tokenizer(text).input_ids) < 448:
-            text, j = text + problems[j % len(problems)], j + 1
+        while len(tokenizer(text).input_ids) < tokens:
+            text, j = text + raw[j % len(raw)], j + 1
         texts.append(text)
-
-    def inputs(batch):
-        return [dict(tokenizer(c, return_tensors="pt", padding=True)) for c in chunks(texts, batch)]
-    return model, None, inputs
+    return texts
 
 
-def tiny_exact_env(args):
-    target, draft = exact_cheap_pair()
-    gen = torch.Generator().manual_seed(0)
-    prompt_ids = torch.randint(3, target.config.vocab_size, (max(args.batch_sizes), 32), generator=gen)
+def batches(name: str, env, args):
+    """batch size -> the chunks of inputs environment `name` runs at that size."""
+    if env.tokenizer is None:                    # tiny: random prompts, one chunk
+        ids = random_ids(env.model.config.vocab_size, max(args.batch_sizes))
+        return lambda batch: [{k: v[:batch] for k, v in ids.items()}]
+    if name == "smollm2":                        # the first `batch` raw prompts, one chunk
+        texts = humaneval_texts(env.tokenizer, "raw", limit=max(args.batch_sizes))
+        return lambda batch: [encode(env.tokenizer, texts[:batch])]
+    gemma = name == "gemma3"
+    texts = window_texts(env.tokenizer, args.problems) if gemma else humaneval_texts(env.tokenizer, "chat", args.problems)
+    return lambda batch: [encode(env.tokenizer, c, chat=not gemma) for c in chunks(texts, batch)]
 
-    def inputs(batch):
-        ids = prompt_ids[:batch]
-        return [dict(input_ids=ids, attention_mask=torch.ones_like(ids))]
-    return target, draft, inputs
 
-
-ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_coder_env(args, onednn=True),
-        "qwen-coder-cpu": lambda args: qwen_coder_env(args, kernels=cpu_kernels()),
-        "smollm2": smollm2_env, "gemma3": gemma3_env, "tiny-exact": tiny_exact_env}
 METHODS = "plain,hf-assisted:5@draft,fixed:5@draft,auto@draft"
 
 
 def run_env(name, args, results: Results):
-    model, draft, make_inputs = ENVS[name](args)
-    factory = MethodFactory(model, draft_model=draft)        # drafters and policies live for the whole run
+    env = ENVS[name]()
+    model, make_inputs = env.model, batches(name, env, args)
+    factory = MethodFactory(model, draft_model=env.draft)        # drafters and policies live for the whole run
     eos = model.generation_config.eos_token_id
     forwards = ForwardCounter(model)
     warm = False
@@ -194,35 +156,28 @@ def markdown(payload) -> str:
 
 
 def plot(payload, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     cells = payload["cells"]
     envs = sorted({c["env"] for c in cells})
-    fig, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 4), squeeze=False)
-    for ax, env in zip(axes[0], envs):
-        mine = sorted((c for c in cells if c["env"] == env), key=lambda c: c["batch"])
-        names = [n for n in dict.fromkeys(n for c in mine for n in c["methods"]) if n != "plain"]
-        width = 0.8 / max(len(names), 1)
-        for j, name in enumerate(names):
-            pts = [(i, c["methods"][name]) for i, c in enumerate(mine) if name in c["methods"]]
-            ys = [r["vs_plain"] for _, r in pts]
-            err = [[y - r["vs_plain_range"][0] for y, (_, r) in zip(ys, pts)],
-                   [r["vs_plain_range"][1] - y for y, (_, r) in zip(ys, pts)]]
-            ax.bar([i + j * width for i, _ in pts], ys, width, yerr=err, capsize=3, label=name)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))], [f"batch {c['batch']}" for c in mine])
-        ax.set_ylabel("speed vs plain generate()")
-        ax.set_title(env)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, cols=len(envs)) as axes:
+        for ax, env in zip(axes[0], envs):
+            mine = sorted((c for c in cells if c["env"] == env), key=lambda c: c["batch"])
+            names = [n for n in dict.fromkeys(n for c in mine for n in c["methods"]) if n != "plain"]
+            width = 0.8 / max(len(names), 1)
+            for j, name in enumerate(names):
+                pts = [(i, c["methods"][name]) for i, c in enumerate(mine) if name in c["methods"]]
+                ys = [r["vs_plain"] for _, r in pts]
+                err = [[y - r["vs_plain_range"][0] for y, (_, r) in zip(ys, pts)],
+                       [r["vs_plain_range"][1] - y for y, (_, r) in zip(ys, pts)]]
+                ax.bar([i + j * width for i, _ in pts], ys, width, yerr=err, capsize=3, label=name)
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))], [f"batch {c['batch']}" for c in mine])
+            ax.set_ylabel("speed vs plain generate()")
+            ax.set_title(env)
+            ax.legend(fontsize=7)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--envs", default="qwen-coder")
+    parser = arguments(__doc__, "qwen-coder")
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--problems", type=int, default=16, help="HumanEval prompts (qwen-coder, gemma3)")
     parser.add_argument("--methods", default=METHODS, help="plain first, then eval/methods.py names")
@@ -230,27 +185,21 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--name", default=None, help="output name (default: the envs)")
     parser.add_argument("--out-dir", default="docs/results/bench_generate")
-    args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    for env in args.envs.split(","):
-        if env not in ENVS:
-            parser.error(f"--envs: unknown environment {env!r}; known: {sorted(ENVS)}")
+    args = parse(parser, argv, ENVS)
+    args.batch_sizes = ints(args.batch_sizes)
     try:
         args.methods = parse_methods(args.methods)
     except ValueError as e:
         parser.error(f"--methods: {e}")
     if args.methods[0].name != "plain":
         parser.error("--methods must start with plain (the reference)")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_grad_enabled(False)
 
     results = Results(Path(args.out_dir) / (args.name or args.envs.replace(",", "+")),
                       dict(vars(args), methods=[m.name for m in args.methods]), markdown, plot)
     for env in args.envs.split(","):
         run_env(env, args, results)
     print(markdown(results.payload))
-    if any(r["identity"]["other"] for c in results.cells for r in c["methods"].values()):
-        raise SystemExit("some output diverged from plain generate() other than at a near-tie")
+    check_identity({f"{c['env']} batch {c['batch']} {m}": r for c in results.cells for m, r in c["methods"].items()})
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from transformers import GenerationConfig
 
 from hf_specdec import _compat
 from hf_specdec.cached_model import CachedModel
-from hf_specdec.generate import DecodingLoop
+from hf_specdec.loop import DecodingLoop
 from hf_specdec.sequences import SequenceBatch
 from hf_specdec.testing import (QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts,
                                 set_circle_alpha)

@@ -4,11 +4,8 @@
         --repeats 3 --out results/bench_hierarchy
 
 Environments (greedy; every output is checked against plain generate()):
-  tiny     a 12-layer Llama whose layers 2.. are zeroed and layer 1 weakened (target), a 4-layer
-           copy of it with a little noise (intermediate: cheap, nearly exact) and its 1-layer copy
-           (draft: cheaper still, less exact); vocabulary 2048
-  tiny-distilled  a 24-layer target of that kind, an 8-layer noisier copy (intermediate) and a
-           1-layer draft cut from the intermediate (closer to it than to the target)
+  tiny, tiny-distilled  tiny Llamas: a target, a cheap nearly exact intermediate and a cheaper,
+           less exact draft (eval/envs.py, tiny_hierarchy); vocabulary 2048
   smollm2  the embedded SmolLM2-135M-Instruct (fp32 target), its bf16 copy (intermediate) and
            its int8 copy (draft), on HumanEval prompts
   qwen-humaneval, qwen-rag  the real pair: Qwen2.5-Coder-1.5B-Instruct (bf16 target), the 0.5B
@@ -21,93 +18,56 @@ Methods: plain; draft -> target and intermediate -> target at k = --two-model-k;
 k_i (k_d + 1) tokens). Reported per method: tokens/s, MAT (tokens per target forward and row),
 acceptance at each level, forwards per model, and per level the cost ratio c = (forward time of
 the cheaper model) / (forward time of the one verifying it), measured on one-token forwards.
-Every row is compared with plain generate() (eval/identity.py: identical, first divergence at a
-near-tie of a bf16 target, or other, which fails the run). Writes <out>.json, <out>.md and <out>.png.
+Methods run interleaved (eval/harness.py). Every row is compared with plain generate()
+(eval/identity.py: identical, first divergence at a near-tie of a bf16 target, or other, which fails
+the run). Writes <out>.json, <out>.md and <out>.png after each (env, batch) cell; a rerun resumes.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 import hf_specdec
-from hf_specdec.testing import build, noisy_copy
-from bench_lengths import identity_mark, new_tokens, parse_env_args  # eval/ is on sys.path when run as a script
-from humaneval_data import load_problems, prompt_text
-from identity import compare_rows, counts
-from report import write_results
+from envs import ENVS as MODELS, encode, humaneval_texts, qwen_coder, random_ids  # eval/ is on sys.path as a script
+from harness import Results, arguments, check_identity, identity_mark, interleaved, ints, parse
+from identity import compare_rows, counts, until_eos
+from methods import Method, spec_policy
+from report import figure
 from spec_bench import SOURCE as SPEC_BENCH
 
 logger = logging.getLogger("bench_hierarchy")
 
 
-def _truncated(source, layers: int, seed: int):
-    """The first `layers` layers of `source` (embeddings and head included) as a model of its own."""
-    model = build("llama", layers=layers, seed=seed, vocab=2048, hidden=384, init=0.05)
-    own = model.state_dict()
-    model.load_state_dict({k: v for k, v in source.state_dict().items() if k in own})
-    return model
+def smollm2_env(args):
+    env = MODELS["smollm2"]()
+    texts = humaneval_texts(env.tokenizer, "raw", limit=4)
+    return env.model, hf_specdec.self_draft(env.model, "bf16").model, hf_specdec.self_draft(env.model, "int8").model, \
+        lambda b: encode(env.tokenizer, texts[:b])
 
 
-def tiny_env(distilled: bool):
-    # The target's effective network is layers 0-1 (layer 1 weakened); its other layers are zeroed
-    # but still computed. tiny: a 4-layer noisy copy (intermediate) is nearly exact at a third of
-    # the cost, and a 1-layer copy (draft) agrees with it on about two thirds of tokens.
-    # tiny-distilled: a 24-layer target, an 8-layer copy with more noise (intermediate, ~0.8
-    # agreement), and a draft cut from the *intermediate*: it agrees with the intermediate more
-    # often (~0.82) than with the target (~0.68), the case a middle level is for.
-    target = build("llama", layers=24 if distilled else 12, seed=0, vocab=2048, hidden=384, init=0.05)
-    with torch.no_grad():
-        for layer in target.model.layers[2:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        scale = 0.1 if distilled else 0.2
-        target.model.layers[1].self_attn.o_proj.weight.mul_(scale)
-        target.model.layers[1].mlp.down_proj.weight.mul_(scale)
-    if distilled:
-        intermediate = noisy_copy(_truncated(target, 8, 1), 0.03, seed=1)
-        draft = _truncated(intermediate, 1, 2)
-    else:
-        intermediate = noisy_copy(_truncated(target, 4, 1), 0.01, seed=1)
-        draft = _truncated(target, 1, 2)
-    target.generation_config.eos_token_id = target.generation_config.pad_token_id = 0
-    ids = torch.randint(3, 2048, (4, 32), generator=torch.Generator().manual_seed(0))
-    return target, intermediate, draft, lambda b: {"input_ids": ids[:b], "attention_mask": torch.ones_like(ids[:b])}
-
-
-def smollm2_env():
-    from hf_specdec.embedded import load_smollm2
-    model, tokenizer = load_smollm2()
-    prompts = [p["prompt"] for p in load_problems(limit=4)]
-    return model, hf_specdec.self_draft(model, "bf16").model, hf_specdec.self_draft(model, "int8").model, \
-        lambda b: dict(tokenizer(prompts[:b], return_tensors="pt", padding=True))
-
-
-def qwen_env(prompts: str, questions=None, onednn=False):
-    from hf_specdec.embedded import load_model
+def qwen_env(args, prompts: str):
     if prompts == "rag":
         from spec_bench import chat_text, load_questions
-        rows = [q for q in load_questions(questions) if q["domain"] == "rag"][:4]
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
-    intermediate, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
-    if prompts == "rag":
-        texts = [chat_text(q, tokenizer) for q in rows]
-    else:
-        texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(limit=4)]
-    return model, intermediate, hf_specdec.PromptLookupDrafter, \
-        lambda b: dict(tokenizer(texts[:b], return_tensors="pt", padding=True, add_special_tokens=False))
+        rows = [q for q in load_questions(args.questions) if q["domain"] == "rag"][:4]   # before the slow loading
+    env = qwen_coder({"onednn": True}, {"onednn": True}) if args.onednn else qwen_coder()
+    texts = [chat_text(q, env.tokenizer) for q in rows] if prompts == "rag" else \
+        humaneval_texts(env.tokenizer, "chat", limit=4)
+    return env.model, env.draft, hf_specdec.PromptLookupDrafter, lambda b: encode(env.tokenizer, texts[:b], chat=True)
 
 
-ENVS = {"tiny": lambda args: tiny_env(False), "tiny-distilled": lambda args: tiny_env(True),
-        "smollm2": lambda args: smollm2_env(),
-        "qwen-humaneval": lambda args: qwen_env("humaneval", onednn=args.onednn),
-        "qwen-rag": lambda args: qwen_env("rag", args.questions, onednn=args.onednn)}
+def tiny_env(name):
+    env = MODELS[name]()
+    ids = random_ids(2048, 4)
+    return env.model, env.intermediate, env.draft, lambda b: {k: v[:b] for k, v in ids.items()}
+
+
+ENVS = {"tiny": lambda args: tiny_env("tiny"), "tiny-distilled": lambda args: tiny_env("tiny-distilled"),
+        "smollm2": smollm2_env, "qwen-humaneval": lambda args: qwen_env(args, "humaneval"),
+        "qwen-rag": lambda args: qwen_env(args, "rag")}
 
 
 def forward_seconds(model, batch: int, repeats: int = 5) -> float:
@@ -129,51 +89,50 @@ def forward_seconds(model, batch: int, repeats: int = 5) -> float:
 
 
 def methods(intermediate, draft, two_model_k, hierarchy) -> dict:
-    """name -> (make drafter, outer k); drafters are made fresh per run (their stats are per call).
-    draft: a causal LM, or a Drafter class (e.g. PromptLookupDrafter) made with no arguments."""
+    """Method -> make its drafter (None: plain); drafters are made fresh per call (their stats are
+    per call). draft: a causal LM, or a Drafter class (e.g. PromptLookupDrafter) made with no arguments."""
     make_draft = draft if isinstance(draft, type) else (lambda: hf_specdec.ModelDrafter(draft, name="draft"))
-    out = {"plain": (None, 0)}
+    make_inter = lambda: hf_specdec.ModelDrafter(intermediate, name="inter")  # noqa: E731
+    out = {Method("plain"): None}
     for k in two_model_k:
-        out[f"draft->target k={k}"] = (make_draft, k)
-        out[f"inter->target k={k}"] = (lambda: hf_specdec.ModelDrafter(intermediate, name="inter"), k)
-    for kd, ki in hierarchy:
-        out[f"hierarchy kd={kd} ki={ki}"] = (
-            lambda kd=kd, ki=ki: hf_specdec.HierarchicalDrafter(make_draft(), hf_specdec.ModelDrafter(intermediate, name="inter"),
-                                                                 draft_len=kd, cycles=ki), ki * (kd + 1))
+        out[Method(f"draft->target k={k}", "fixed", "draft", k)] = make_draft
+        out[Method(f"inter->target k={k}", "fixed", "inter", k)] = make_inter
+    for kd, ki in hierarchy:      # the target is offered up to ki (kd + 1) tokens a step
+        out[Method(f"hierarchy kd={kd} ki={ki}", "fixed", "hier", ki * (kd + 1))] = \
+            lambda kd=kd, ki=ki: hf_specdec.HierarchicalDrafter(make_draft(), make_inter(), draft_len=kd, cycles=ki)
     return out
 
 
-def run_env(name, args) -> dict:
+def run_env(name, args, results: Results) -> None:
     target, intermediate, draft, make_inputs = ENVS[name](args)
     hf_specdec.enable(target)
     eos = target.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    results = {}
     for batch in args.batch_sizes:
+        if results.done({"env": name, "batch": batch}):
+            continue
         inputs = make_inputs(batch)
         models = (("target", target), ("inter", intermediate)) + (() if isinstance(draft, type) else (("draft", draft),))
         seconds = {m: forward_seconds(m_model, batch) for m, m_model in models}
         seconds.setdefault("draft", 0.0)      # a lookup drafter: no forward
         table = methods(intermediate, draft, args.two_model_k, args.hierarchy)
-        times, outs, drafters = {m: [] for m in table}, {}, {}
+        drafters = {}
         target.generate(**inputs, max_new_tokens=2, do_sample=False)                       # warm-up
-        for _ in tqdm(range(args.repeats), desc=f"{name} batch={batch}", leave=False):
-            for m, (make, k) in table.items():
-                kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
-                if make is not None:
-                    drafters[m] = make()
-                    kwargs.update(assistant_models=[drafters[m]], spec_policy=hf_specdec.FixedLength(k))
-                start = time.perf_counter()
-                outs[m] = target.generate(**kwargs)
-                times[m].append(time.perf_counter() - start)
-        plain = outs["plain"].sequences
-        tokens = new_tokens(outs["plain"], inputs["input_ids"].shape[1], eos)
+
+        def run(method):
+            kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+            if table[method] is not None:
+                drafters[method.name] = table[method]()
+                kwargs.update(assistant_models=[drafters[method.name]], spec_policy=spec_policy("fixed", method.k))
+            return target.generate(**kwargs)
+        timing = interleaved(list(table), run, rounds=args.repeats, warmup=False)
+        plain = timing.outputs["plain"].sequences
+        tokens = sum(len(until_eos(row, eos)) for row in plain[:, inputs["input_ids"].shape[1]:])
         rows = {}
-        for m, out in outs.items():
-            stats = getattr(out, "spec_stats", None)
-            d = drafters.get(m)
-            row = {"tokens_per_s": round(tokens / statistics.median(times[m]), 2),
-                   "seconds": [round(t, 3) for t in times[m]],
+        for m, out in timing.outputs.items():
+            stats, d = getattr(out, "spec_stats", None), drafters.get(m)
+            row = {"tokens_per_s": round(tokens / statistics.median(timing.seconds[m]), 2),
+                   "seconds": [round(t, 3) for t in timing.seconds[m]],
                    "identity": counts(compare_rows(target, inputs["input_ids"], inputs.get("attention_mask"), plain,
                                                    out.sequences, eos)),
                    "mat": round(stats.mean_accepted_tokens, 3) if stats else 1.0}
@@ -188,60 +147,54 @@ def run_env(name, args) -> dict:
             rows[m] = row
         for r in rows.values():
             r["vs_plain"] = round(r["tokens_per_s"] / rows["plain"]["tokens_per_s"], 3)
-        results[str(batch)] = {"forward_seconds": seconds,
-                               "cost_ratio": {"draft/target": round(seconds["draft"] / seconds["target"], 3),
-                                              "inter/target": round(seconds["inter"] / seconds["target"], 3),
-                                              "draft/inter": round(seconds["draft"] / seconds["inter"], 3)},
-                               "methods": rows}
+        results.add({"env": name, "batch": batch, "forward_seconds": seconds,
+                     "cost_ratio": {"draft/target": round(seconds["draft"] / seconds["target"], 3),
+                                    "inter/target": round(seconds["inter"] / seconds["target"], 3),
+                                    "draft/inter": round(seconds["draft"] / seconds["inter"], 3)},
+                     "methods": rows})
         logger.info("%s batch=%d %s", name, batch, {m: r["tokens_per_s"] for m, r in rows.items()})
-    return results
 
 
-def markdown(all_results: dict, args) -> str:
-    lines = [f"# Hierarchy vs two models: greedy, {args.max_new_tokens} new tokens, median of {args.repeats} runs", "",
+def markdown(payload) -> str:
+    args = payload["args"]
+    lines = [f"# Hierarchy vs two models: greedy, {args['max_new_tokens']} new tokens, median of {args['repeats']} "
+             "runs (interleaved)", "",
              "Cost ratio: one-token forward time of the cheaper model / the model verifying it. "
              "Accept: accepted / proposed drafts at that level. MAT: tokens per target forward and row. "
              "~n: n rows first differ from plain at a near-tie of the target's dtype; ≠n: n rows differ otherwise.", ""]
-    for env, res in all_results.items():
-        for batch, r in res.items():
-            c = r["cost_ratio"]
-            lines += [f"## {env}, batch {batch}", "",
-                      f"cost ratios (one-token forward): draft/target {c['draft/target']}, inter/target "
-                      f"{c['inter/target']}, draft/inter {c['draft/inter']}", "",
-                      "| method | tokens/s | x plain | MAT | accept (-> target) | accept (draft -> inter) | forwards |",
-                      "|---|---:|---:|---:|---:|---:|---|"]
-            for m, x in r["methods"].items():
-                mark = identity_mark(x["identity"])
-                lines.append(f"| {m} | {x['tokens_per_s']:.1f}{mark} | {x['vs_plain']:.2f} | {x['mat']:.2f} | "
-                             f"{x.get('accept_outer', '')} | {x.get('accept_inner', '')} | "
-                             f"{', '.join(f'{k} {v}' for k, v in x.get('forwards', {}).items())} |")
-            lines.append("")
+    for cell in payload["cells"]:
+        c = cell["cost_ratio"]
+        lines += [f"## {cell['env']}, batch {cell['batch']}", "",
+                  f"cost ratios (one-token forward): draft/target {c['draft/target']}, inter/target "
+                  f"{c['inter/target']}, draft/inter {c['draft/inter']}", "",
+                  "| method | tokens/s | x plain | MAT | accept (-> target) | accept (draft -> inter) | forwards |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for m, x in cell["methods"].items():
+            lines.append(f"| {m} | {x['tokens_per_s']:.1f}{identity_mark(x['identity'])} | {x['vs_plain']:.2f} | "
+                         f"{x['mat']:.2f} | {x.get('accept_outer', '')} | {x.get('accept_inner', '')} | "
+                         f"{', '.join(f'{k} {v}' for k, v in x.get('forwards', {}).items())} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
-def plot(all_results: dict, path: Path) -> None:
+def plot(payload, path: Path) -> None:
     """Speed x plain of the best two-model setup and the best hierarchy, per environment and batch size."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cells = [(env, b, r["methods"]) for env, res in all_results.items() for b, r in res.items()]
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(cells)), 3.6))
-    for offset, (label, prefix) in enumerate((("best draft -> target", "draft->"), ("best inter -> target", "inter->"),
-                                              ("best hierarchy", "hierarchy"))):
-        ys = [max((x["vs_plain"] for m, x in rows.items() if m.startswith(prefix)), default=0) for _, _, rows in cells]
-        ax.bar([i + 0.27 * (offset - 1) for i in range(len(cells))], ys, width=0.27, label=label)
-    ax.axhline(1.0, color="grey", ls="--", lw=0.8)
-    ax.set_xticks(range(len(cells)), [f"{env}\nB={b}" for env, b, _ in cells], fontsize=8)
-    ax.set_ylabel("speed x plain generate()")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    cells = payload["cells"]
+    with figure(path, size=(max(5, 1.6 * len(cells)), 3.6)) as axes:
+        ax = axes[0][0]
+        for offset, (label, prefix) in enumerate((("best draft -> target", "draft->"),
+                                                  ("best inter -> target", "inter->"), ("best hierarchy", "hierarchy"))):
+            ys = [max((x["vs_plain"] for m, x in c["methods"].items() if m.startswith(prefix)), default=0)
+                  for c in cells]
+            ax.bar([i + 0.27 * (offset - 1) for i in range(len(cells))], ys, width=0.27, label=label)
+        ax.axhline(1.0, color="grey", ls="--", lw=0.8)
+        ax.set_xticks(range(len(cells)), [f"{c['env']}\nB={c['batch']}" for c in cells], fontsize=8)
+        ax.set_ylabel("speed x plain generate()")
+        ax.legend(fontsize=8)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--envs", default="tiny,tiny-distilled,smollm2")
+    parser = arguments(__doc__, "tiny,tiny-distilled,smollm2")
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
@@ -250,26 +203,16 @@ def main(argv=None):
     parser.add_argument("--questions", default=None, help="Spec-Bench's question.jsonl (qwen-rag)")
     parser.add_argument("--onednn", action="store_true", help="qwen envs: float32 on oneDNN linear layers")
     parser.add_argument("--out", default="results/bench_hierarchy")
-    parser.add_argument("--update", action="store_true",
-                        help="keep the (env, batch) results already in <out>.json that this run does not redo")
-    args = parse_env_args(parser, argv, ENVS)
-    args.two_model_k = [int(k) for k in args.two_model_k.split(",")]
+    args = parse(parser, argv, ENVS)
+    args.batch_sizes, args.two_model_k = ints(args.batch_sizes), ints(args.two_model_k)
     args.hierarchy = [tuple(int(x) for x in h.split("x")) for h in args.hierarchy.split(",")]
     if "qwen-rag" in args.envs.split(",") and args.questions is None:
         parser.error(f"--envs qwen-rag needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
-    out = Path(args.out)
-    all_results = {}
-    if args.update and out.with_suffix(".json").exists():
-        all_results = json.loads(out.with_suffix(".json").read_text())["results"]
+    results = Results(Path(args.out), vars(args), markdown, plot)     # a rerun with the same arguments resumes
     for env in args.envs.split(","):
-        all_results.setdefault(env, {}).update(run_env(env, args))
-        md = write_results(out.parent, out.name, {"args": vars(args), "results": all_results},
-                           markdown(all_results, args), lambda path: plot(all_results, path))
-    print(md.read_text())
-    bad = [(e, b, m) for e, r in all_results.items() for b, x in r.items()
-           for m, y in x["methods"].items() if y["identity"]["other"]]
-    if bad:
-        raise SystemExit(f"outputs differ from plain generate(): {bad}")
+        run_env(env, args, results)
+    print(markdown(results.payload))
+    check_identity({f"{c['env']} batch {c['batch']} {m}": r for c in results.cells for m, r in c["methods"].items()})
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-I
 prompt-lookup drafts on raw HumanEval prompts; --env qwen-coder: the real pair,
 Qwen2.5-Coder-1.5B-Instruct (bf16; --onednn: float32 on oneDNN linear layers) with the 0.5B as
 drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low rate)
-whose output lengths are drawn per request (EOS ignored, as in trace replays). Policies: plain (k =
-0), fixed k, Nightjar and AdaSpec, each a fresh object on the same stream. Then the simulator
+whose output lengths are drawn per request (EOS ignored, as in trace replays). Policies
+(eval/methods.py names): plain (fixed:0), fixed k, the default (auto), Nightjar and AdaSpec (given the
+profile measured here), each a fresh object on the same stream, in the harness's order. Then the simulator
 replays the same requests with latency models measured here (decode steps; prompt prefills apart)
 and, per policy, what the engine measured of its drafts: acceptance rate, how often a row found any
 (lookup matches), and seconds per draft token (a model drafter: its profiled latency model);
@@ -19,7 +20,6 @@ Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per 
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
@@ -32,9 +32,11 @@ from hf_specdec.costmodel import CostProfile, LatencyModel, profile, profile_pre
 from hf_specdec.serving import Engine, Request, Simulator, phased
 
 sys.path.insert(0, str(Path(__file__).parent))
-from humaneval_data import load_problems, prompt_text  # noqa: E402
+from envs import ENVS, humaneval_texts  # noqa: E402
+from harness import Results, arguments, check_identity, interleaved, ints, parse  # noqa: E402
 from identity import compare_rows, counts  # noqa: E402
-from report import write_results  # noqa: E402
+from methods import Method, spec_policy  # noqa: E402
+from report import figure  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 
@@ -63,8 +65,15 @@ def lookup_profile(model, batch_sizes, context) -> CostProfile:
     return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
 
 
+def policies(args) -> list[Method]:
+    """plain (k = 0), each fixed k, the default, then Nightjar and AdaSpec up to --max-len."""
+    return [Method("plain", "fixed", k=0), *(Method(f"fixed:{k}", "fixed", k=k) for k in args.fixed),
+            Method("auto", "auto"), Method("nightjar", "nightjar", k=args.max_len),
+            Method("adaspec", "adaspec", k=args.max_len)]
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--phases", default="15:0.3,15:3,15:0.3", help="duration:rate,... (s, requests/s)")
     parser.add_argument("--output-len", default="16,48")
     parser.add_argument("--max-batch", type=int, default=8)
@@ -76,23 +85,19 @@ def main(argv=None):
     parser.add_argument("--onednn", action="store_true",
                         help="qwen-coder: float32 on oneDNN linear layers (CPUs without bf16 matrix instructions)")
     parser.add_argument("--out", default="results/serving_smollm2")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse(parser, argv)
+    args.fixed = ints(args.fixed)
 
-    if args.env == "qwen-coder":
-        from hf_specdec.embedded import load_model
-        model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=args.onednn)
-        draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=args.onednn)
+    env = ENVS["qwen-coder-onednn" if args.env == "qwen-coder" and args.onednn else args.env]()
+    model, tokenizer, draft = env.model, env.tokenizer, env.draft
+    if draft is not None:
         make_drafter = lambda: hf_specdec.ModelDrafter(draft, name="qwen-0.5b")  # noqa: E731
-        problems = [tokenizer(prompt_text(p, tokenizer, "chat"), add_special_tokens=False)["input_ids"]
-                    for p in load_problems(limit=32)]
+        problems = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in humaneval_texts(tokenizer, "chat", 32)]
     else:
-        from hf_specdec.embedded import load_smollm2
-        model, tokenizer = load_smollm2()
-        draft, make_drafter = None, hf_specdec.PromptLookupDrafter
-        problems = [tokenizer(p["prompt"])["input_ids"] for p in load_problems()]
+        make_drafter = hf_specdec.PromptLookupDrafter
+        problems = [tokenizer(t)["input_ids"] for t in humaneval_texts(tokenizer, "raw")]
     phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
-    lo, hi = (int(x) for x in args.output_len.split(","))
+    lo, hi = ints(args.output_len)
     stream = phased(phases, prompt_len=1, output_len=(lo, hi), seed=args.seed)
     prompts = [problems[r.id % len(problems)] for r in stream]
     requests = [Request(r.id, r.arrival, len(p), r.output_len) for r, p in zip(stream, prompts)]
@@ -103,20 +108,18 @@ def main(argv=None):
     prof = lookup_profile(model, sizes, 128) if draft is None else \
         profile(model, draft, sizes, (1, 3, 5), (longest, 2 * longest), (1, 4), repeats=2)
     prefill = profile_prefill(model, lengths=sorted({16, longest // 4, longest // 2, longest}))
-    methods = {"plain": lambda: hf_specdec.FixedLength(0)}
-    methods.update({f"fixed:{k}": (lambda k=int(k): hf_specdec.FixedLength(k)) for k in args.fixed.split(",")})
-    methods.update({"nightjar": lambda: hf_specdec.Nightjar(max_len=args.max_len, switch_cost=prof),
-                    "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=args.max_len)})
-    engine_warmup = Engine(model, [make_drafter()], hf_specdec.FixedLength(2),
-                           max_batch=args.max_batch, max_prompt_len=longest)
-    engine_warmup.run(requests[:2], prompts[:2])
+    Engine(model, [make_drafter()], hf_specdec.FixedLength(2), max_batch=args.max_batch,
+           max_prompt_len=longest).run(requests[:2], prompts[:2])          # warm-up
+    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot(payload, phases, path),
+                      resume=False)      # each policy's outputs are checked against plain's of the same run
+    results.payload.update(requests=len(requests), profile={"target": vars(prof.target), "prefill": vars(prefill)})
+    plain_outputs = {}
 
-    results = {}
-    for name, make in methods.items():
-        engine = Engine(model, [make_drafter()], make(), max_batch=args.max_batch,
-                        max_prompt_len=longest)
+    def run(method) -> None:
+        policy = lambda: spec_policy(method.policy, method.k, prof)  # noqa: E731 - a fresh object per run
+        engine = Engine(model, [make_drafter()], policy(), max_batch=args.max_batch, max_prompt_len=longest)
         with torch.inference_mode():
-            run = engine.run(requests, prompts)
+            served = engine.run(requests, prompts)
         alpha = measured_acceptance(engine.stats)
         proposal_rate, draft_per_token = measured_lookup(engine.stats)
         if draft is None:   # lookup: drafts cost what was measured, and are certain when found
@@ -124,87 +127,78 @@ def main(argv=None):
                                                  prof.meta), 1.0
         else:
             calibrated, confidence = prof, None
-        sim = Simulator(calibrated, make(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
+        sim = Simulator(calibrated, policy(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
                         prefill=prefill, proposal_rate=proposal_rate, confidence=confidence).run(requests)
-        if name == "plain":
-            plain_outputs = run.outputs
+        if not plain_outputs:           # plain runs first
+            plain_outputs.update(served.outputs)
         verdicts = [compare_rows(model, torch.tensor([p]), None, torch.tensor([p + plain_outputs[r.id]]),
-                                 torch.tensor([p + run.outputs[r.id]]))[0] for r, p in zip(requests, prompts)]
-        real, simulated = run.summary(args.slo_tpot), sim.summary(args.slo_tpot)
-        results[name] = {"engine": real, "simulator": simulated, "identity": counts(verdicts),
-                         "acceptance": round(alpha, 3),
-                         "proposal_rate": round(proposal_rate, 3), "draft_s_per_token": draft_per_token,
-                         "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
-                         "steps": [(round(s.time, 3), s.batch_size, s.k) for s in run.steps]}
-        logger.info("%s: engine %.1f tok/s, simulator %.1f tok/s (acceptance %.2f), mean k %.2f", name,
+                                 torch.tensor([p + served.outputs[r.id]]))[0] for r, p in zip(requests, prompts)]
+        real, simulated = served.summary(args.slo_tpot), sim.summary(args.slo_tpot)
+        results.add({"policy": method.name, "engine": real, "simulator": simulated, "identity": counts(verdicts),
+                     "acceptance": round(alpha, 3), "proposal_rate": round(proposal_rate, 3),
+                     "draft_s_per_token": draft_per_token,
+                     "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
+                     "steps": [(round(s.time, 3), s.batch_size, s.k) for s in served.steps],
+                     "mean_k_by_batch": k_by_batch(served.steps)})
+        logger.info("%s: engine %.1f tok/s, simulator %.1f tok/s (acceptance %.2f), mean k %.2f", method.name,
                     real["tokens_per_s"], simulated["tokens_per_s"], alpha, real["mean_k"])
-    by_batch = {name: k_by_batch(r["steps"]) for name, r in results.items()}
-    out = Path(args.out)
-    payload = {"args": vars(args), "requests": len(requests), "profile": {"target": vars(prof.target),
-                                                                          "prefill": vars(prefill)},
-               "results": results, "mean_k_by_batch": by_batch}
-    md = write_results(out.parent, out.name, payload, markdown(results, by_batch, args, len(requests)),
-                       lambda path: plot(results, phases, path))
-    print(md.read_text())
-    bad = [name for name, r in results.items() if r["identity"]["other"]]
-    if bad:
-        raise SystemExit(f"outputs differ from the plain engine's: {bad}")
+    interleaved(policies(args), run, rounds=1, warmup=False)      # plain first: the others are checked against it
+    print(markdown(results.payload))
+    check_identity({c["policy"]: c for c in results.cells}, "the plain engine's")
 
 
 def k_by_batch(steps) -> dict[int, float]:
     groups: dict[int, list[int]] = {}
-    for _, b, k in steps:
-        groups.setdefault(b, []).append(k)
+    for s in steps:
+        groups.setdefault(s.batch_size, []).append(s.k)
     return {b: round(statistics.fmean(ks), 2) for b, ks in sorted(groups.items())}
 
 
-def markdown(results, by_batch, args, n) -> str:
-    setup = ("Qwen2.5-Coder-1.5B-Instruct bf16, 0.5B drafts" if args.env == "qwen-coder"
+def markdown(payload) -> str:
+    args, cells = payload["args"], payload["cells"]
+    setup = ("Qwen2.5-Coder-1.5B-Instruct bf16, 0.5B drafts" if args["env"] == "qwen-coder"
              else "SmolLM2-135M-Instruct, prompt lookup drafts")
-    lines = [f"# Serving, {setup}: phased stream {args.phases} ({n} requests), max batch {args.max_batch}\n",
+    lines = [f"# Serving, {setup}: phased stream {args['phases']} ({payload['requests']} requests), max batch "
+             f"{args['max_batch']}\n",
              "identity: requests identical to the plain engine's output / first differing at a near-tie of the "
              "target's dtype / otherwise.\n",
-             f"| policy | tokens/s | mean / p90 latency s | mean TPOT ms | SLO {args.slo_tpot * 1000:.0f} ms | "
+             f"| policy | tokens/s | mean / p90 latency s | mean TPOT ms | SLO {args['slo_tpot'] * 1000:.0f} ms | "
              "mean k | acceptance | rows drafting | simulated tokens/s | sim / real | identity |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, r in results.items():
+    for r in cells:
         e = r["engine"]
-        lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['mean_latency_s']:.1f} / {e['p90_latency_s']:.1f} | "
+        lines.append(f"| {r['policy']} | {e['tokens_per_s']:.1f} | {e['mean_latency_s']:.1f} / {e['p90_latency_s']:.1f} | "
                      f"{e['mean_tpot_s'] * 1000:.0f} | {e['slo_attainment']:.2f} | {e['mean_k']:.2f} | "
                      f"{r['acceptance']:.2f} | {r['proposal_rate']:.2f} | {r['simulator']['tokens_per_s']:.1f} | "
                      f"{r['sim_over_real']:.2f} | {'/'.join(str(v) for v in r['identity'].values())} |")
     lines += ["", "Mean k by running batch size:", ""]
-    sizes = sorted({b for d in by_batch.values() for b in d})
+    sizes = sorted({int(b) for r in cells for b in r["mean_k_by_batch"]})
     lines += ["| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for name, d in by_batch.items():
-        lines.append(f"| {name} | " + " | ".join(f"{d[b]:.2f}" if b in d else "" for b in sizes) + " |")
+    for r in cells:
+        d = {int(b): k for b, k in r["mean_k_by_batch"].items()}
+        lines.append(f"| {r['policy']} | " + " | ".join(f"{d[b]:.2f}" if b in d else "" for b in sizes) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(results, phases, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
-    t, edges = 0.0, []
-    for duration, rate in phases:
-        edges.append((t, t + duration, rate))
-        t += duration
-    axes[0].step([a for a, _, _ in edges] + [edges[-1][1]], [r for _, _, r in edges] + [edges[-1][2]], where="post")
-    axes[0].set_ylabel("arrival rate (req/s)")
-    for name, r in results.items():
-        times = [s[0] for s in r["steps"]]
-        axes[1].plot(times, [s[1] for s in r["steps"]], label=name, lw=0.8)
-        if name in ("nightjar", "adaspec"):
-            axes[2].plot(times, [s[2] for s in r["steps"]], label=name, lw=0.8, marker=".", ms=2)
-    axes[1].set_ylabel("running batch")
-    axes[1].legend(fontsize=7, ncol=3)
-    axes[2].set_ylabel("chosen k")
-    axes[2].set_xlabel("time (s; idle gaps skipped)")
-    axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def plot(payload, phases, path: Path) -> None:
+    with figure(path, rows=3, size=(9, 8), sharex=True) as axes:
+        (rate,), (batch,), (chosen,) = axes
+        t, edges = 0.0, []
+        for duration, r in phases:
+            edges.append((t, t + duration, r))
+            t += duration
+        rate.step([a for a, _, _ in edges] + [edges[-1][1]], [r for _, _, r in edges] + [edges[-1][2]], where="post")
+        rate.set_ylabel("arrival rate (req/s)")
+        for r in payload["cells"]:
+            times = [s[0] for s in r["steps"]]
+            batch.plot(times, [s[1] for s in r["steps"]], label=r["policy"], lw=0.8)
+            if not r["policy"].startswith(("plain", "fixed")):
+                chosen.plot(times, [s[2] for s in r["steps"]], label=r["policy"], lw=0.8, marker=".", ms=2)
+        batch.set_ylabel("running batch")
+        batch.legend(fontsize=7, ncol=3)
+        chosen.set_ylabel("chosen k")
+        chosen.set_xlabel("time (s; idle gaps skipped)")
+        chosen.legend(fontsize=7)
 
 
 if __name__ == "__main__":

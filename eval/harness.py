@@ -12,10 +12,12 @@
 `generate()` (the class's, so `hf_specdec.enable` cannot reroute it) and ours through the
 `custom_generate` hook. `interleaved` runs every method once a round, the order rotated by one
 each round, after an untimed warm-up round; speed is the median of per-round ratios to a
-reference method, with the min and max beside it.
+reference method, with the min and max beside it. `arguments` and `ints` are the scripts' shared
+command-line pieces; `report.figure` their plotting.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import statistics
@@ -103,6 +105,7 @@ class Results:
     def __init__(self, out: Path, args: dict, markdown: Callable[[dict], str],
                  plot: Callable[[dict, Path], None] | None = None, resume: bool = True):
         self.out, self.markdown, self.plot = Path(out), markdown, plot
+        args = json.loads(json.dumps(args, default=str))     # as it reads back (tuples as lists), to compare
         path = self.out.with_suffix(".json")
         old = json.loads(path.read_text()) if resume and path.exists() else None
         if old is not None and old.get("args") == args:
@@ -140,3 +143,42 @@ class ForwardCounter:
 
     def close(self) -> None:
         self._hook.remove()
+
+
+def arguments(doc: str, *envs: str) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, `doc` (its module docstring) as the help; with `envs`
+    (the environment names the script knows), an --envs option defaulting to the first."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if envs:
+        parser.add_argument("--envs", default=envs[0], help=f"comma-separated, of {', '.join(envs)}")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv, envs=()) -> argparse.Namespace:
+    """Parse `argv`, --envs checked against `envs`; logging on, autograd off (a benchmark's start)."""
+    args = parser.parse_args(argv)
+    unknown = [e for e in getattr(args, "envs", "").split(",") if envs and e not in envs]
+    if unknown:
+        parser.error(f"--envs: unknown {unknown}; known: {sorted(envs)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_grad_enabled(False)
+    return args
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers ("" -> [])."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def identity_mark(identity: dict) -> str:
+    """"" when every row is identical to plain; else " ~n" (n rows first diverge at a near-tie) and/or
+    " ≠n" (n rows diverge otherwise: a bug)."""
+    return "".join(f" {sign}{identity[v]}" for v, sign in (("near_tie", "~"), ("other", "≠")) if identity[v])
+
+
+def check_identity(rows: dict[str, dict], reference: str = "plain generate()") -> None:
+    """Fail the run (after its results are written) if a row of `rows` (name -> {"identity": counts})
+    diverged from the reference other than at a near-tie."""
+    bad = [name for name, row in rows.items() if row["identity"]["other"]]
+    if bad:
+        raise SystemExit(f"outputs differ from {reference} other than at a near-tie: {bad}")

@@ -9,14 +9,12 @@ and a compiled forward on an accelerator; ours: preallocated caches).
 policy      hf-assisted[:k]  Transformers' own assisted generation (its code, not ours): k drafts a
                            step, constant schedule, no confidence stop (default k 5); @draft or @pld;
                            batch 1 only (Transformers refuses larger batches)
-            auto           the default policy (spec_policy="auto")
-            fixed[:k]      k drafts every step (default 4; 0: our loop, never drafting)
-            hf-heuristic   Transformers' num_assistant_tokens schedule (HFHeuristic)
-            confidence     Transformers' assistant_confidence_threshold (ConfidenceThreshold)
-            nightjar[:k]   a bandit per batch size over 0..k drafts, 0 = no speculation (default k 6)
-            adaspec[:k]    confidence and latency model, up to k (default 8)
-            dsd[:k]        goodput of a latency model and the acceptance rate, up to k (default 8)
-            hedgespec[:k], ucb[:k], exp3[:k]   choose among the drafters of @pool, k drafts a step
+            the library's own names (hf_specdec.policies.resolve_policy): auto (the default),
+                           fixed[:k], measured[:k], nightjar[:k], adaspec[:k], dsd[:k], hf-heuristic[:k],
+                           confidence; hedgespec, ucb, exp3 choose among the drafters of @pool
+            ablations (ABLATIONS): nightjar-exact (the paper's one bandit per batch size), HedgeSpec
+                           variants (hedgespec-cold, -hedge, -adanormalhedge, -cost, -every2, -every4);
+                           a selector's ':k' is k drafts every step (the library's: 4)
 drafter     draft          the draft model (an embedded name, a hub id or a path)
             pld            prompt lookup
             bf16, fp16, int8   a copy of the target (hf_specdec.self_draft)
@@ -34,14 +32,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import hf_specdec
-from hf_specdec.policies import EXP3Spec, UCBSpec
+from hf_specdec.policies import NAMES, resolve_policy
 
 HF_ASSISTED = "hf-assisted"
-LENGTH_POLICIES = ("auto", "fixed", "hf-heuristic", "confidence", "nightjar", "adaspec", "dsd")
-SELECTORS = ("hedgespec", "ucb", "exp3")
+SELECTOR_NAMES = ("hedgespec", "ucb", "exp3")
+# what the library has no name for: name -> selector, or length policy (given a cost profile or None)
+SELECTOR_ABLATIONS = {
+    "hedgespec-cold": lambda: hf_specdec.HedgeSpec(prompt_positions=0),      # the paper's cold start
+    "hedgespec-hedge": lambda: hf_specdec.HedgeSpec(learner="hedge"),
+    "hedgespec-adanormalhedge": lambda: hf_specdec.HedgeSpec(learner="adanormalhedge"),
+    "hedgespec-cost": lambda: hf_specdec.HedgeSpec(cost_aware=True),
+    "hedgespec-every2": lambda: hf_specdec.HedgeSpec(feedback_every=2),
+    "hedgespec-every4": lambda: hf_specdec.HedgeSpec(feedback_every=4)}
+LENGTH_ABLATIONS = {"nightjar-exact": lambda profile, **kw: hf_specdec.Nightjar(switch_cost=profile, buckets="exact", **kw)}
+# the length policies that model costs, given the pair's CostProfile (the simulator: none to measure)
+PROFILED = {"adaspec": lambda profile, **kw: hf_specdec.AdaSpec(profile, **kw),
+            "dsd": lambda profile, **kw: hf_specdec.DSDGoodput(profile, **kw),
+            "nightjar": lambda profile, **kw: hf_specdec.Nightjar(switch_cost=profile, **kw), **LENGTH_ABLATIONS}
+SELECTORS = SELECTOR_NAMES + tuple(SELECTOR_ABLATIONS)
+LENGTH_POLICIES = tuple(n for n in NAMES if n not in SELECTOR_NAMES) + tuple(LENGTH_ABLATIONS)
 DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool")
 POOL_MEMBERS = ("draft", "pld", "bf16", "fp16", "int8")
-TAKES_K = (HF_ASSISTED, "fixed", "nightjar", "adaspec", "dsd", *SELECTORS)
+TAKES_K = (HF_ASSISTED, "fixed", "measured", "nightjar", "adaspec", "dsd", "hf-heuristic", "nightjar-exact",
+           *SELECTORS)
 STATIC = "/static"
 USAGE = (f"plain or <policy>[:k]@<drafter> with policy one of {', '.join((HF_ASSISTED,) + LENGTH_POLICIES + SELECTORS)} "
          f"(':k' for {', '.join(TAKES_K)}) and drafter one of {', '.join(DRAFTERS)}; "
@@ -103,11 +116,14 @@ def parse_pool(text: str) -> tuple[str, ...]:
 
 class MethodFactory:
     """Builds the drafters and policies of methods, once each. draft_model: the causal LM of the
-    `draft` drafter (None: methods using it are refused); pool: the drafters of @pool."""
+    `draft` drafter (None: methods using it are refused); pool: the drafters of @pool; drafters:
+    more drafters by name (a script's own, e.g. datastores); pools: more pools by name (@<name>)."""
 
-    def __init__(self, target, draft_model=None, pool=("draft", "pld")):
-        self.target, self.draft_model, self.pool = target, draft_model, tuple(pool)
-        self._drafters, self._policies = {}, {}
+    def __init__(self, target, draft_model=None, pool=("draft", "pld"), drafters: dict | None = None,
+                 pools: dict | None = None):
+        self.target, self.draft_model = target, draft_model
+        self.pools = {"pool": tuple(pool), **(pools or {})}
+        self._drafters, self._policies = dict(drafters or {}), {}
 
     def drafter(self, kind: str):
         if kind not in self._drafters:
@@ -148,22 +164,7 @@ class MethodFactory:
         return self._policies[method.name]
 
     def _make_policy(self, m: Method):
-        k = m.k
-        if m.policy in SELECTORS:
-            selector = {"hedgespec": lambda: hf_specdec.HedgeSpec(seed=0), "ucb": lambda: UCBSpec(seed=0),
-                        "exp3": lambda: EXP3Spec(seed=0)}[m.policy]()
-            return hf_specdec.SpecPolicy(selector=selector, length=hf_specdec.FixedLength(k or 4))
-        if m.policy == "fixed":
-            return hf_specdec.FixedLength(4 if k is None else k)
-        if m.policy == "hf-heuristic":
-            return hf_specdec.HFHeuristic()
-        if m.policy == "confidence":
-            return hf_specdec.ConfidenceThreshold()
-        if m.policy == "nightjar":
-            return hf_specdec.Nightjar(max_len=k or 6)
-        if m.policy == "adaspec":
-            return hf_specdec.AdaSpec(max_len=k or 8)
-        return hf_specdec.DSDGoodput(max_len=k or 8)
+        return spec_policy(m.policy, m.k)
 
     def generate_kwargs(self, method: Method) -> dict:
         """The extra generate() arguments of `method` (plain: none; see `harness.generate` for
@@ -173,7 +174,20 @@ class MethodFactory:
             return static
         if method.policy == HF_ASSISTED:
             return {**static, **self._hf_assisted(method)}
-        if method.policy == "auto":
-            return {**static, "assistant_models": [self.drafter(method.drafter)], "spec_policy": "auto"}
-        kinds = self.pool if method.drafter == "pool" else (method.drafter,)
+        kinds = self.pools.get(method.drafter, (method.drafter,))
         return {**static, "assistant_models": [self.drafter(kind) for kind in kinds], "spec_policy": self.policy(method)}
+
+
+def spec_policy(policy: str, k: int | None = None, profile=None):
+    """What `spec_policy` takes for a policy name: the library's own (`resolve_policy`, `k` as its
+    ':k'; "auto" as is, resolved by the loop for its number of drafters) or an ablation. A selector
+    with `k` drafts k tokens every step. profile: the pair's CostProfile, for the policies that
+    model costs where none can be measured (the simulator)."""
+    if policy in SELECTORS:
+        selector = SELECTOR_ABLATIONS[policy]() if policy in SELECTOR_ABLATIONS else resolve_policy(policy).selector
+        return hf_specdec.SpecPolicy(selector=selector, length=hf_specdec.FixedLength(4 if k is None else k))
+    if policy in PROFILED and (profile is not None or policy in LENGTH_ABLATIONS):
+        return PROFILED[policy](profile, **({} if k is None else {"max_len": k}))
+    if policy == "auto":
+        return "auto"
+    return resolve_policy(policy if k is None else f"{policy}:{k}")

@@ -1,10 +1,13 @@
 """What every benchmark writes: a stamp (commit, versions, machine), and JSON + markdown + PNG.
 
-    from report import stamp, write_results
+    from report import figure, stamp, write_results
     write_results(Path("docs/results/bench_generate"), "qwen-coder", payload, table_md, plot_fn)
+    with figure(path, cols=2) as axes:      # a headless matplotlib figure, saved and closed on exit
+        axes[0][0].plot(...)
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -95,3 +98,20 @@ def write_results(directory: Path, name: str, payload: dict, table: str,
     if plot is not None:
         plot(directory / f"{name}.png")
     return md
+
+
+@contextlib.contextmanager
+def figure(path: Path, rows: int = 1, cols: int = 1, size: tuple[float, float] | None = None, dpi: int = 110,
+           **subplots):
+    """Headless matplotlib subplots, `axes[row][col]`, saved to `path` (tight layout) and closed on exit.
+    size: inches (default 6 x 4 a panel); subplots: more plt.subplots arguments (sharex, ...)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(rows, cols, figsize=size or (6 * cols, 4 * rows), squeeze=False, **subplots)
+    try:
+        yield axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

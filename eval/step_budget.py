@@ -17,7 +17,6 @@ Writes docs/results/step_budget/<name>.{json,md,png} after each kernel choice; a
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import time
@@ -27,11 +26,13 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_specdec import _compat
-from hf_specdec.embedded import cpu_bf16_matmul, load_model
-from harness import Results, generate, interleaved  # eval/ is on sys.path as a script
+from hf_specdec.embedded import cpu_bf16_matmul
+from envs import encode, qwen_coder
+from harness import Results, arguments, generate, interleaved, parse  # eval/ is on sys.path as a script
 from humaneval_data import load_problems, prompt_text
 from identity import compare_rows, counts, until_eos
 from methods import MethodFactory, parse_methods
+from report import figure
 
 logger = logging.getLogger("step_budget")
 
@@ -78,12 +79,10 @@ def step_phases(stats) -> dict:
 
 
 def run_kernel(kernel: str, args, results: Results) -> None:
-    target_load, draft_load = KERNELS[kernel]
-    target, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", **target_load)
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", **draft_load)
-    texts = [prompt_text(p, tokenizer, "chat") for p in load_problems(problems=PROBLEMS[:args.problems])]
-    prompts = [tokenizer(t, return_tensors="pt", add_special_tokens=False) for t in texts]
-    results.add(dict(kernel=kernel, cpu_bf16_matmul=cpu_bf16_matmul(), **budget(target, draft, prompts, args)))
+    env = qwen_coder(*KERNELS[kernel])
+    texts = [prompt_text(p, env.tokenizer, "chat") for p in load_problems(problems=PROBLEMS[:args.problems])]
+    prompts = [encode(env.tokenizer, [t], chat=True) for t in texts]
+    results.add(dict(kernel=kernel, cpu_bf16_matmul=cpu_bf16_matmul(), **budget(env.model, env.draft, prompts, args)))
     logger.info("%s: %s", kernel, {m: r["vs_plain"] for m, r in results.cells[-1]["methods"].items()})
 
 
@@ -168,39 +167,33 @@ def markdown(payload) -> str:
 def plot(payload, path: Path) -> None:
     """Per kernel: ms per generated token of each fixed k after the prefill, stacked by phase, with
     a plain step's (one target forward) line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     cells = payload["cells"]
-    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
-    for ax, cell in zip(axes[0], cells):
-        ks = [(int(n.split(":")[1].split("@")[0]), r) for n, r in cell["methods"].items()
-              if n.startswith("fixed:") and n.endswith("@draft")]
-        bottom = [0.0] * len(ks)
-        for phase, colour in (("verify_ms", "tab:blue"), ("draft_ms", "tab:orange"), ("host_ms", "tab:grey")):
-            heights = [r[phase] / r["tokens_per_step"] for _, r in ks]
-            ax.bar([k for k, _ in ks], heights, bottom=bottom, color=colour, label=phase.split("_")[0])
-            bottom = [b + h for b, h in zip(bottom, heights)]
-        one_token = cell["forward_ms"]["target"]
-        ax.axhline(one_token.get(1, one_token.get("1")), color="black", lw=1, label="a one-token target forward")
-        ax.set_xlabel("k (drafts a step, 0.5B)")
-        ax.set_ylabel("ms per generated token")
-        ax.set_title(cell["kernel"])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, cols=len(cells), size=(5 * len(cells), 4)) as axes:
+        for ax, cell in zip(axes[0], cells):
+            ks = [(int(n.split(":")[1].split("@")[0]), r) for n, r in cell["methods"].items()
+                  if n.startswith("fixed:") and n.endswith("@draft")]
+            bottom = [0.0] * len(ks)
+            for phase, colour in (("verify_ms", "tab:blue"), ("draft_ms", "tab:orange"), ("host_ms", "tab:grey")):
+                heights = [r[phase] / r["tokens_per_step"] for _, r in ks]
+                ax.bar([k for k, _ in ks], heights, bottom=bottom, color=colour, label=phase.split("_")[0])
+                bottom = [b + h for b, h in zip(bottom, heights)]
+            one_token = cell["forward_ms"]["target"]
+            ax.axhline(one_token.get(1, one_token.get("1")), color="black", lw=1, label="a one-token target forward")
+            ax.set_xlabel("k (drafts a step, 0.5B)")
+            ax.set_ylabel("ms per generated token")
+            ax.set_title(cell["kernel"])
+            ax.legend(fontsize=7)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--kernels", default="onednn,onednn+int8-draft,int8-per-token")
     parser.add_argument("--problems", type=int, default=3, help=f"how many of {PROBLEMS}")
     parser.add_argument("--methods", default=SETTINGS, help="plain first, then eval/methods.py names")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--name", default=None, help="output name (default: the CPU's kind)")
     parser.add_argument("--out-dir", default="docs/results/step_budget")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     kernels = args.kernels.split(",")
     for kernel in kernels:
         if kernel not in KERNELS:
@@ -210,8 +203,6 @@ def main(argv=None):
     args.methods = parse_methods(args.methods)
     if args.methods[0].name != "plain":
         parser.error("--methods must start with plain (the reference)")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_grad_enabled(False)
     name = args.name or ("bf16-matmul" if cpu_bf16_matmul() else "no-bf16-matmul")
     results = Results(Path(args.out_dir) / name, dict(vars(args), kernels=kernels,
                                                       methods=[m.name for m in args.methods]), markdown, plot)

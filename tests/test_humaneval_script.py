@@ -106,7 +106,7 @@ def test_every_method_by_name_is_greedy_identical(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text,message", [
     ("plain,fixed@nowhere", "drafter one of draft, pld"),
-    ("turbo@draft", "policy one of hf-assisted, auto, fixed, hf-heuristic"),
+    ("turbo@draft", "policy one of hf-assisted, auto, fixed, measured"),
     ("fixed:x@pld", "':k' takes an integer >= 1"),
     ("confidence:3@pld", "':k' takes an integer >= 1"),
     ("hedgespec@pld", "choose among the drafters of @pool"),

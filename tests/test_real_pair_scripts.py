@@ -48,7 +48,8 @@ def test_hierarchy_script_on_tiny_models_writes_stamped_results(tmp_path):
                           "--two-model-k", "3", "--hierarchy", "2x2", "--out", str(out)])
     result = json.loads(out.with_suffix(".json").read_text())
     assert {"commit", "versions", "machine"} <= set(result["stamp"])
-    rows = result["results"]["tiny"]["2"]["methods"]
+    (cell,) = [c for c in result["cells"] if (c["env"], c["batch"]) == ("tiny", 2)]
+    rows = cell["methods"]
     assert set(rows) == {"plain", "draft->target k=3", "inter->target k=3", "hierarchy kd=2 ki=2"}
     assert all(r["identity"] == {"identical": 2, "near_tie": 0, "other": 0} for r in rows.values())
     assert out.with_suffix(".png").stat().st_size > 0
