@@ -19,24 +19,25 @@ Each call: --prompt-len tokens, every row's output length drawn from --output-le
 shrinks as its rows finish), step times with log-normal noise (--noise); each cell sums --seeds
 calls. Every method of a cell sees the same seeds. A cell's target (the issue's): where no fixed k
 beats plain by more than 5%, the default must run >= 0.95x plain; elsewhere >= 0.9x the best
-fixed k. Writes <out>.json, <out>.md and <out>.png.
+fixed k. Methods are eval/methods.py names. Writes <out>.json, <out>.md and <out>.png after each
+cell; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import hf_specdec
 from hf_specdec.costmodel import CostProfile
-from hf_specdec.tiers import SPEC_TIERS
+from hf_specdec.policies.base import SPEC_TIERS
 from hf_specdec.serving import RelativeCosts, Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import write_results  # noqa: E402
+from harness import Results, arguments, ints, parse  # noqa: E402
+from methods import Method, spec_policy  # noqa: E402
+from report import figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REGIMES = {
@@ -48,7 +49,7 @@ REGIMES = {
                                               draft_per_token=0.001, catch_up=3.0, prefill_per_token=0.01),
     "cpu-real-pair": lambda: CostProfile.load(ROOT / "docs/results/bench_serving_sim/qwen-coder-profile.json"),
 }
-POLICIES = {"auto": lambda: "auto", "nightjar": lambda: hf_specdec.Nightjar(max_len=8)}   # the default, the previous one
+POLICIES = (Method("auto", "auto"), Method("nightjar", "nightjar", k=8))      # the default, the previous one
 
 
 def call_tokens_per_s(costs, policy, acceptance: float, batch: int, args, seed: int, sim=None) -> tuple[float, Simulator]:
@@ -68,17 +69,17 @@ def cell(costs, acceptance: float, batch: int, args) -> dict:
     seeds = [1000 * s + batch for s in range(args.seeds)]
     out = {}
     for k in SPEC_TIERS:
-        speeds = [call_tokens_per_s(costs, hf_specdec.FixedLength(k), acceptance, batch, args, s)[0] for s in seeds]
+        speeds = [call_tokens_per_s(costs, spec_policy("fixed", k), acceptance, batch, args, s)[0] for s in seeds]
         out[f"fixed:{k}"] = sum(speeds) / len(speeds)
-    for name, make in POLICIES.items():
+    for method in POLICIES:
         first, steady = [], []
         for s in seeds:
-            speed, sim = call_tokens_per_s(costs, make(), acceptance, batch, args, s)
+            speed, sim = call_tokens_per_s(costs, spec_policy(method.policy, method.k), acceptance, batch, args, s)
             first.append(speed)
             for w in range(args.warm_calls):
                 call_tokens_per_s(costs, None, acceptance, batch, args, s + 7 * (w + 1), sim)
             steady.append(call_tokens_per_s(costs, None, acceptance, batch, args, s, sim)[0])
-        out[f"{name} first"], out[f"{name} steady"] = sum(first) / len(first), sum(steady) / len(steady)
+        out[f"{method.name} first"], out[f"{method.name} steady"] = sum(first) / len(first), sum(steady) / len(steady)
     plain, best = out["fixed:0"], max((m for m in out if m.startswith("fixed:")), key=out.get)
     pays = out[best] > 1.05 * plain
     reference = best if pays else "fixed:0"
@@ -89,64 +90,66 @@ def cell(costs, acceptance: float, batch: int, args) -> dict:
             "meets": {m: ratios[m] >= floor for m in out if not m.startswith("fixed:")}}
 
 
-def markdown(results: dict, args) -> str:
-    lines = [f"# The default policy against fixed draft lengths, simulated generate() calls", "",
-             f"Prompt {args.prompt_len} tokens, output lengths {args.output_lens[0]}-{args.output_lens[1]} per row, "
-             f"step-time noise {args.noise}, {args.seeds} calls per cell, steady = after {args.warm_calls} calls. "
-             "Cell: default first call / steady state as a fraction of the reference (the best fixed k where one "
-             "beats plain by > 5%, else plain), then the best fixed k and its speed over plain; ✗ marks a cell "
-             "below the target (0.9 of the best fixed k; 0.95 of plain where nothing pays). nightjar: the previous "
-             "default, first call / steady.", ""]
+def by_regime(cells: list[dict]) -> dict:
+    """regime -> acceptance -> batch -> cell."""
+    out: dict = {}
+    for c in cells:
+        out.setdefault(c["regime"], {}).setdefault(c["acceptance"], {})[c["batch"]] = c
+    return out
+
+
+def markdown(payload) -> str:
+    args, results = payload["args"], by_regime(payload["cells"])
+    lines = ["# The default policy against fixed draft lengths, simulated generate() calls", "",
+             f"Prompt {args['prompt_len']} tokens, output lengths {args['output_lens'][0]}-{args['output_lens'][1]} "
+             f"per row, step-time noise {args['noise']}, {args['seeds']} calls per cell, steady = after "
+             f"{args['warm_calls']} calls. Cell: default first call / steady state as a fraction of the reference (the "
+             "best fixed k where one beats plain by > 5%, else plain), then the best fixed k and its speed over plain; "
+             "✗ marks a cell below the target (0.9 of the best fixed k; 0.95 of plain where nothing pays). nightjar: "
+             "the previous default, first call / steady.", ""]
     for regime, by_alpha in results.items():
         batches = list(next(iter(by_alpha.values())))
         lines += [f"## {regime}", "", "| acceptance | policy | " + " | ".join(f"B={b}" for b in batches) + " |",
                   "|---|---|" + "---:|" * len(batches)]
         for alpha, by_batch in by_alpha.items():
-            for name in POLICIES:
-                cells = []
-                for b in batches:
-                    c = by_batch[b]
-                    f, s = c["x_reference"][f"{name} first"], c["x_reference"][f"{name} steady"]
-                    mark = "" if c["meets"][f"{name} first"] and c["meets"][f"{name} steady"] else " ✗"
-                    cells.append(f"{f:.2f} / {s:.2f}{mark}")
-                lines.append(f"| {alpha} | {name} | " + " | ".join(cells) + " |")
+            for method in POLICIES:
+                row = []
+                for c in by_batch.values():
+                    f, s = c["x_reference"][f"{method.name} first"], c["x_reference"][f"{method.name} steady"]
+                    ok = c["meets"][f"{method.name} first"] and c["meets"][f"{method.name} steady"]
+                    row.append(f"{f:.2f} / {s:.2f}{'' if ok else ' ✗'}")
+                lines.append(f"| {alpha} | {method.name} | " + " | ".join(row) + " |")
             lines.append(f"| {alpha} | best fixed | " + " | ".join(
-                f"{by_batch[b]['best_fixed'][6:]} ({by_batch[b]['best_x_plain']:.2f}x)" for b in batches) + " |")
+                f"{c['best_fixed'][6:]} ({c['best_x_plain']:.2f}x)" for c in by_batch.values()) + " |")
         lines.append("")
-    failing = [(r, a, b, m) for r, by_alpha in results.items() for a, by_batch in by_alpha.items()
-               for b, c in by_batch.items() for m, ok in c["meets"].items() if not ok and m.startswith("auto")]
-    lines += [f"Cells where the default misses its target: {len(failing)} of "
-              f"{2 * sum(len(bb) for ba in results.values() for bb in ba.values())} (first calls and steady states)."]
-    lines += [f"- {r}, acceptance {a}, B={b}: {m} {results[r][a][b]['x_reference'][m]:.2f}" for r, a, b, m in failing]
+    failing = [(c, m) for c in payload["cells"] for m, ok in c["meets"].items() if not ok and m.startswith("auto")]
+    lines += [f"Cells where the default misses its target: {len(failing)} of {2 * len(payload['cells'])} "
+              "(first calls and steady states)."]
+    lines += [f"- {c['regime']}, acceptance {c['acceptance']}, B={c['batch']}: {m} {c['x_reference'][m]:.2f}"
+              for c, m in failing]
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False, sharey=True)
-    for ax, (regime, by_alpha) in zip(axes[0], results.items()):
-        for i, (alpha, by_batch) in enumerate(by_alpha.items()):
-            batches = list(by_batch)
-            color = f"C{i}"
-            ax.plot(range(len(batches)), [by_batch[b]["x_reference"]["auto first"] for b in batches], marker="o",
-                    color=color, label=f"default, first call, a={alpha}")
-            ax.plot(range(len(batches)), [by_batch[b]["x_reference"]["nightjar first"] for b in batches], ls=":",
-                    color=color, label=f"nightjar, first call, a={alpha}")
-            ax.set_xticks(range(len(batches)), batches)
-        ax.axhline(0.9, color="grey", ls="--", lw=0.8)
-        ax.set_title(regime)
-        ax.set_xlabel("batch size")
-    axes[0][0].set_ylabel("x the best fixed k (plain where none pays)")
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def plot(payload, path: Path) -> None:
+    results = by_regime(payload["cells"])
+    with figure(path, cols=len(results), size=(4.2 * len(results), 3.6), sharey=True) as axes:
+        for ax, (regime, by_alpha) in zip(axes[0], results.items()):
+            for i, (alpha, by_batch) in enumerate(by_alpha.items()):
+                batches = list(by_batch)
+                for name, style, label in (("auto", "-", "default"), ("nightjar", ":", "nightjar")):
+                    ax.plot(range(len(batches)), [by_batch[b]["x_reference"][f"{name} first"] for b in batches],
+                            ls=style, marker="o" if name == "auto" else None, color=f"C{i}",
+                            label=f"{label}, first call, a={alpha}")
+                ax.set_xticks(range(len(batches)), batches)
+            ax.axhline(0.9, color="grey", ls="--", lw=0.8)
+            ax.set_title(regime)
+            ax.set_xlabel("batch size")
+        axes[0][0].set_ylabel("x the best fixed k (plain where none pays)")
+        axes[0][0].legend(fontsize=6)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--regimes", default=",".join(REGIMES))
     parser.add_argument("--acceptances", default="0.5,0.8,0.95")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
@@ -156,21 +159,19 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--warm-calls", type=int, default=4)
     parser.add_argument("--out", default="results/bench_default_sim/regimes")
-    args = parser.parse_args(argv)
-    args.output_lens = tuple(int(v) for v in args.output_lens.split(","))
+    args = parse(parser, argv)
+    args.output_lens = tuple(ints(args.output_lens))
     regimes = args.regimes.split(",")
     unknown = [r for r in regimes if r not in REGIMES]
     if unknown:
         parser.error(f"--regimes: unknown {unknown}; known: {list(REGIMES)}")
-    grid = [(r, float(a), int(b)) for r in regimes for a in args.acceptances.split(",")
-            for b in args.batch_sizes.split(",")]
-    results: dict = {}
+    grid = [(r, str(float(a)), b) for r in regimes for a in args.acceptances.split(",") for b in ints(args.batch_sizes)]
+    results = Results(Path(args.out), vars(args), markdown, plot)
     for regime, alpha, batch in tqdm(grid, desc="cells"):
-        results.setdefault(regime, {}).setdefault(str(alpha), {})[str(batch)] = cell(REGIMES[regime](), alpha, batch, args)
-    out = Path(args.out)
-    md = write_results(out.parent, out.name, {"args": {k: v for k, v in vars(args).items()}, "results": results},
-                       markdown(results, args), lambda p: plot(results, p))
-    print(md.read_text())
+        key = {"regime": regime, "acceptance": alpha, "batch": batch}
+        if not results.done(key):
+            results.add({**key, **cell(REGIMES[regime](), float(alpha), batch, args)})
+    print(markdown(results.payload))
 
 
 if __name__ == "__main__":

@@ -18,22 +18,29 @@ activations holds the KV caches and the draft; each request reserves prompt + ou
 (`serving.MemoryModel`); reloading the draft copies its weights over PCIe 4 (~25 GB/s).
 
 Workloads: Poisson arrivals at each `--rates` value, and a phased stream (low / high / low);
-prompts and outputs drawn from ShareGPT-like ranges. Policies: plain (k = 0), fixed k = 1..5
-(k = 3 is Nightjar's "SD" baseline), DSDGoodput, AdaSpec and Nightjar (also with the paper's one
-bandit per batch size, `nightjar-exact`), each a fresh object per run. Then plain, Nightjar and AdaSpec again with the memory model, without and with
-`DraftOffload` (fixed k > 0 never switches speculation off, so it never offloads). Reports output tokens/s, mean and p90 latency, mean TPOT and SLO attainment; writes
-<out>.json, <out>.md and <out>.png (rate, batch size and k over time on the phased stream).
+prompts and outputs drawn from ShareGPT-like ranges. Policies (eval/methods.py names, the cost
+models given the setting's profile): plain (k = 0), fixed k = 1..5 (k = 3 is Nightjar's "SD"
+baseline), the default (auto), DSDGoodput, AdaSpec and Nightjar (also with the paper's one bandit
+per batch size, `nightjar-exact`), each a fresh object per run. Then plain, the default, Nightjar and
+AdaSpec again with the memory model, without and with `DraftOffload` (fixed k > 0 never switches
+speculation off, so it never offloads). Reports output tokens/s, mean and p90 latency, mean TPOT and
+SLO attainment; writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time on the
+phased stream), stamped, after each stream; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
+import sys
 from pathlib import Path
 
 import hf_specdec
 from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
 from hf_specdec.serving import MemoryModel, Simulator, phased, poisson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Results, arguments, interleaved, parse  # noqa: E402
+from methods import Method, spec_policy  # noqa: E402
+from report import figure  # noqa: E402
 
 logger = logging.getLogger("bench_serving_sim")
 
@@ -54,36 +61,56 @@ def setting_profile(name: str) -> CostProfile:
     return CostProfile(target, draft, switch, {"setting": name})
 
 
-def policies(prof: CostProfile, max_len: int) -> dict:
-    out = {"plain": lambda: hf_specdec.FixedLength(0)}
-    out.update({f"fixed:{k}": (lambda k=k: hf_specdec.FixedLength(k)) for k in range(1, 6)})
-    out.update({"dsd": lambda: hf_specdec.DSDGoodput(prof, max_len=max_len),
-                "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=max_len),
-                "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0),
-                # the paper's one bandit per batch size, against the default's one per power of two
-                "nightjar-exact": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, buckets="exact",
-                                                              seed=0)})
-    return out
+PLOTTED = ("plain", "fixed:3", "auto", "nightjar", "adaspec", "dsd")      # traced on the phased stream
 
 
-def offload_policies(prof: CostProfile, max_len: int, memory: MemoryModel) -> dict:
-    """Policies that switch speculation off, without and with draft offload (the same memory)."""
-    def offload():
-        # persist longer than Nightjar's exploration bins: with persist_steps=8 its k = 0 bins alone
-        # offloaded the draft where speculation pays (13b), and with the memory full it never came back
-        return hf_specdec.DraftOffload(low_free_bytes=2 * memory.draft_bytes, persist_steps=64)
-    lengths = {"plain": lambda: hf_specdec.FixedLength(0),
-               "nightjar": lambda: hf_specdec.Nightjar(max_len=max_len, switch_cost=prof, seed=0),
-               "adaspec": lambda: hf_specdec.AdaSpec(prof, max_len=max_len)}
-    out = {}
-    for name, make in lengths.items():       # (length policy, its DraftOffload or None)
-        out[name] = lambda make=make: (make(), None)
-        out[f"{name}+offload"] = lambda make=make: (make(), offload())
-    return out
+def policies(max_len: int) -> list[Method]:
+    """plain, fixed k = 1..5, the default, then the cost-model policies up to `max_len`."""
+    return [Method("plain", "fixed", k=0), *(Method(f"fixed:{k}", "fixed", k=k) for k in range(1, 6)),
+            Method("auto", "auto"), *(Method(n, n, k=max_len) for n in ("dsd", "adaspec", "nightjar", "nightjar-exact"))]
+
+
+def offload(memory: MemoryModel) -> hf_specdec.DraftOffload:
+    # persist longer than Nightjar's exploration bins: with persist_steps=8 its k = 0 bins alone
+    # offloaded the draft where speculation pays (13b), and with the memory full it never came back
+    return hf_specdec.DraftOffload(low_free_bytes=2 * memory.draft_bytes, persist_steps=64)
+
+
+def run_stream(name: str, requests, prof: CostProfile, memory: MemoryModel | None, args) -> dict:
+    """Every policy on one stream; with `memory`, the policies that switch speculation off again,
+    without and with draft offload (the same memory)."""
+    rows, traces, offloads = {}, {}, {}
+
+    def simulate(method):
+        res = Simulator(prof, spec_policy(method.policy, method.k, prof), args.acceptance, max_batch=args.max_batch,
+                        seed=args.seed).run(requests)
+        rows[method.name] = {k: round(v, 5) for k, v in res.summary(args.slo_tpot).items()}
+        if method.name in PLOTTED:                 # at most ~2000 points a trace
+            thin = max(1, len(res.steps) // 2000)
+            traces[method.name] = [(round(s.time, 3), s.batch_size, s.k) for s in res.steps[::thin]]
+
+    def simulate_memory(method):
+        for tag, draft_offload in (("", None), ("+offload", offload(memory))):
+            res = Simulator(prof, spec_policy(method.policy, method.k, prof), args.acceptance,
+                            max_batch=args.max_batch, seed=args.seed, memory=memory,
+                            draft_offload=draft_offload).run(requests)
+            row = offloads[method.name + tag] = {k: round(v, 5) for k, v in res.summary(args.slo_tpot).items()}
+            row["max_batch_seen"] = max(s.batch_size for s in res.steps)
+            if draft_offload is not None:
+                row["offloads"] = sum(e.action == "offload" for e in draft_offload.events)
+    methods = policies(args.max_len)
+    interleaved(methods, simulate, rounds=1, warmup=False)
+    if memory is not None:
+        interleaved([m for m in methods if m.name in ("plain", "auto", "nightjar", "adaspec")], simulate_memory,
+                    rounds=1, warmup=False)
+    best_fixed = max((m for m in rows if m.startswith("fixed:")), key=lambda m: rows[m]["tokens_per_s"])
+    logger.info("%s: %s", name, {m: r["tokens_per_s"] for m, r in rows.items()})
+    return {"stream": name, "requests": len(requests), "best_fixed": best_fixed, "methods": rows,
+            "offload": offloads, **({"traces": traces} if name == "phased" else {})}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--setting", choices=sorted(SETTINGS), default="7b")
     parser.add_argument("--profile", default=None, help="a profiler JSON instead of --setting")
     parser.add_argument("--acceptance", type=float, default=None, help="default: the setting's")
@@ -97,103 +124,75 @@ def main(argv=None):
     parser.add_argument("--slo-tpot", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/serving_sim")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse(parser, argv)
     prof = CostProfile.load(args.profile) if args.profile else setting_profile(args.setting)
     _, _, acceptance, max_batch = SETTINGS[args.setting]
     args.acceptance = acceptance if args.acceptance is None else args.acceptance
     args.max_batch = max_batch if args.max_batch is None else args.max_batch
     lengths = {k: tuple(int(v) for v in getattr(args, k).split(",")) for k in ("prompt_len", "output_len")}
-    streams = {f"poisson {r}/s": poisson(float(r), args.duration, seed=args.seed, **lengths)
+    streams = {f"poisson {r}/s": lambda r=r: poisson(float(r), args.duration, seed=args.seed, **lengths)
                for r in args.rates.split(",")}
     phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
-    streams["phased"] = phased(phases, seed=args.seed, **lengths)
+    streams["phased"] = lambda: phased(phases, seed=args.seed, **lengths)
     memory = None if args.profile else MEMORY[args.setting]
-    results = {"args": vars(args), "profile": {"target": vars(prof.target), "draft": vars(prof.draft)},
-               "memory": vars(memory) if memory else None, "streams": {}, "offload": {}}
-    traces = {}
-    for name, requests in streams.items():
-        rows = {}
-        for method, make in policies(prof, args.max_len).items():
-            sim = Simulator(prof, make(), args.acceptance, max_batch=args.max_batch, seed=args.seed)
-            res = sim.run(requests)
-            rows[method] = {k: round(v, 5) for k, v in res.summary(args.slo_tpot).items()}
-            if name == "phased":
-                traces[method] = [(s.time, s.batch_size, s.k) for s in res.steps]
-        best_fixed = max((m for m in rows if m.startswith("fixed:")), key=lambda m: rows[m]["tokens_per_s"])
-        results["streams"][name] = {"requests": len(requests), "best_fixed": best_fixed, "methods": rows}
-        logger.info("%s: %s", name, {m: r["tokens_per_s"] for m, r in rows.items()})
-        if memory is None:
-            continue
-        rows = {}
-        for method, make in offload_policies(prof, args.max_len, memory).items():
-            policy, offload = make()
-            res = Simulator(prof, policy, args.acceptance, max_batch=args.max_batch, seed=args.seed,
-                            memory=memory, draft_offload=offload).run(requests)
-            rows[method] = {k: round(v, 5) for k, v in res.summary(args.slo_tpot).items()}
-            rows[method]["max_batch_seen"] = max(s.batch_size for s in res.steps)
-            if offload is not None:
-                rows[method]["offloads"] = sum(e.action == "offload" for e in offload.events)
-        results["offload"][name] = rows
-        logger.info("%s with memory: %s", name, {m: r["tokens_per_s"] for m, r in rows.items()})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(markdown(results, args))
-    plot(traces, phases, out.with_suffix(".png"))
-    print(markdown(results, args))
+    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot(payload, phases, path))
+    results.payload.update(profile={"target": vars(prof.target), "draft": vars(prof.draft)},
+                           memory=vars(memory) if memory else None)
+    for name, make in streams.items():
+        if not results.done({"stream": name}):
+            results.add(run_stream(name, make(), prof, memory, args))
+    print(markdown(results.payload))
 
 
-def markdown(results, args) -> str:
-    name = f"profile {args.profile}" if args.profile else f"setting {args.setting}"
-    lines = [f"# Serving simulator: {name}, acceptance {args.acceptance}, max batch {args.max_batch}", "",
+def markdown(payload) -> str:
+    args, cells = payload["args"], payload["cells"]
+    name = f"profile {args['profile']}" if args["profile"] else f"setting {args['setting']}"
+    lines = [f"# Serving simulator: {name}, acceptance {args['acceptance']}, max batch {args['max_batch']}", "",
              "tokens/s (mean latency s / p90 latency s / mean TPOT ms / SLO attainment at "
-             f"{args.slo_tpot * 1e3:.0f} ms TPOT)", ""]
-    methods = list(next(iter(results["streams"].values()))["methods"])
+             f"{args['slo_tpot'] * 1e3:.0f} ms TPOT)", ""]
+    methods = list(cells[0]["methods"])
     lines += ["| stream | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
-    for stream, r in results["streams"].items():
-        cells = []
+    for c in cells:
+        row = []
         for m in methods:
-            x = r["methods"][m]
-            mark = "**" if m == r["best_fixed"] else ""
-            cells.append(f"{mark}{x['tokens_per_s']:.0f}{mark} ({x['mean_latency_s']:.1f} / {x['p90_latency_s']:.1f} / "
-                         f"{x['mean_tpot_s'] * 1e3:.1f} / {x.get('slo_attainment', 0):.2f})")
-        lines.append(f"| {stream} ({r['requests']} req) | " + " | ".join(cells) + " |")
+            x, mark = c["methods"][m], "**" if m == c["best_fixed"] else ""
+            row.append(f"{mark}{x['tokens_per_s']:.0f}{mark} ({x['mean_latency_s']:.1f} / {x['p90_latency_s']:.1f} / "
+                       f"{x['mean_tpot_s'] * 1e3:.1f} / {x.get('slo_attainment', 0):.2f})")
+        lines.append(f"| {c['stream']} ({c['requests']} req) | " + " | ".join(row) + " |")
     lines += ["", "Bold: the best fixed k on that stream."]
-    if results["offload"]:
-        methods = list(next(iter(results["offload"].values())))
+    if cells[0]["offload"]:
+        methods = list(cells[0]["offload"])
         lines += ["", "## With the memory model: without / with draft offload", "",
                   "tokens/s (largest running batch; offloads)", "",
                   "| stream | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
-        for stream, rows in results["offload"].items():
-            cells = [f"{x['tokens_per_s']:.0f} ({x['max_batch_seen']}" + (f"; {x['offloads']})" if "offloads" in x else ")")
-                     for x in rows.values()]
-            lines.append(f"| {stream} | " + " | ".join(cells) + " |")
+        for c in cells:
+            row = [f"{x['tokens_per_s']:.0f} ({x['max_batch_seen']}" + (f"; {x['offloads']})" if "offloads" in x else ")")
+                   for x in c["offload"].values()]
+            lines.append(f"| {c['stream']} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(traces, phases, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    start = 0.0
-    for duration, rate in phases:
-        axes[0].plot([start, start + duration], [rate, rate], color="k")
-        start += duration
-    axes[0].set_ylabel("arrival rate (req/s)")
-    for method in ("plain", "fixed:3", "nightjar", "adaspec", "dsd"):
-        t, b, k = zip(*traces[method])
-        axes[1].plot(t, b, label=method, lw=0.8)
-        if method != "plain":
-            axes[2].plot(t, k, label=method, lw=0.6, alpha=0.8)
-    axes[1].set_ylabel("batch size")
-    axes[2].set_ylabel("k")
-    axes[2].set_xlabel("time (s)")
-    axes[1].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def plot(payload, phases, path: Path) -> None:
+    traces = next((c["traces"] for c in payload["cells"] if "traces" in c), None)
+    if traces is None:                       # the phased stream not run yet
+        return
+    with figure(path, rows=3, size=(9, 7), sharex=True) as axes:
+        (rate,), (batch,), (chosen,) = axes
+        start = 0.0
+        for duration, r in phases:
+            rate.plot([start, start + duration], [r, r], color="k")
+            start += duration
+        rate.set_ylabel("arrival rate (req/s)")
+        for method, trace in traces.items():
+            t, b, k = zip(*trace)
+            batch.plot(t, b, label=method, lw=0.8)
+            if method != "plain":
+                chosen.plot(t, k, label=method, lw=0.6, alpha=0.8)
+        batch.set_ylabel("batch size")
+        chosen.set_ylabel("k")
+        chosen.set_xlabel("time (s)")
+        batch.legend(fontsize=7)
+        chosen.legend(fontsize=7)
 
 
 if __name__ == "__main__":
