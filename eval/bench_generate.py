@@ -31,7 +31,7 @@ from harness import (ForwardCounter, Results, arguments, check_identity, generat
                      ints, parse)                                                         # sys.path as a script
 from identity import compare_rows, counts, until_eos
 from methods import MethodFactory, parse_methods
-from report import figure
+from report import figure, method_bars
 
 logger = logging.getLogger("bench_generate")
 
@@ -156,22 +156,11 @@ def markdown(payload) -> str:
 
 
 def plot(payload, path: Path) -> None:
-    cells = payload["cells"]
-    envs = sorted({c["env"] for c in cells})
+    envs = sorted({c["env"] for c in payload["cells"]})
     with figure(path, cols=len(envs)) as axes:
         for ax, env in zip(axes[0], envs):
-            mine = sorted((c for c in cells if c["env"] == env), key=lambda c: c["batch"])
-            names = [n for n in dict.fromkeys(n for c in mine for n in c["methods"]) if n != "plain"]
-            width = 0.8 / max(len(names), 1)
-            for j, name in enumerate(names):
-                pts = [(i, c["methods"][name]) for i, c in enumerate(mine) if name in c["methods"]]
-                ys = [r["vs_plain"] for _, r in pts]
-                err = [[y - r["vs_plain_range"][0] for y, (_, r) in zip(ys, pts)],
-                       [r["vs_plain_range"][1] - y for y, (_, r) in zip(ys, pts)]]
-                ax.bar([i + j * width for i, _ in pts], ys, width, yerr=err, capsize=3, label=name)
-            ax.axhline(1.0, color="grey", lw=0.8)
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))], [f"batch {c['batch']}" for c in mine])
-            ax.set_ylabel("speed vs plain generate()")
+            method_bars(ax, sorted((c for c in payload["cells"] if c["env"] == env), key=lambda c: c["batch"]),
+                        lambda r: r.get("vs_plain"), lambda r: r["vs_plain_range"])
             ax.set_title(env)
             ax.legend(fontsize=7)
 

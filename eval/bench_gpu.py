@@ -46,6 +46,7 @@ from hf_specdec.testing import (QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, c
                                 set_circle_alpha)
 from harness import Results, generate, interleaved, speed  # eval/ is on sys.path when run as a script
 from methods import MethodFactory, parse_methods
+from report import figure, method_bars
 
 logger = logging.getLogger("bench_gpu")
 # Transformers' assisted generation runs eager: with a static cache it compiles its target at fixed
@@ -246,32 +247,19 @@ def markdown(payload) -> str:
 
 
 def plot(payload, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     groups = list(dict.fromkeys((c["pair"], c["alpha_built"]) for c in payload["cells"]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
-    for ax, (pair, alpha) in zip(axes[0], groups):
-        cells = sorted((c for c in payload["cells"] if (c["pair"], c["alpha_built"]) == (pair, alpha)),
-                       key=lambda c: c["batch"])
-        names = [n for n in dict.fromkeys(n for c in cells for n in c["methods"]) if n != "plain"]
-        width = 0.8 / max(len(names), 1)
-        for j, name in enumerate(names):
-            pts = [(i, c["methods"][name]["x_plain"]["x"]) for i, c in enumerate(cells)
-                   if "x_plain" in c["methods"].get(name, {})]
-            ax.bar([i + j * width for i, _ in pts], [y for _, y in pts], width, label=name)
-        for i, c in enumerate(cells):
-            ax.hlines(c["eager"]["bound"], i - width / 2, i + 0.8 - width / 2, colors="black", linestyles="dashed",
-                      label="Leviathan bound (eager costs)" if i == 0 else None)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"batch {c['batch']}" for c in cells])
-        ax.set_ylabel("speed / plain eager generate()")
-        ax.set_title(f"{pair}, a = {alpha}")
-        ax.legend(fontsize=7)
-    fig.suptitle(payload["stamp"]["machine"]["device"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, cols=len(groups)) as axes:
+        for ax, (pair, alpha) in zip(axes[0], groups):
+            cells = sorted((c for c in payload["cells"] if (c["pair"], c["alpha_built"]) == (pair, alpha)),
+                           key=lambda c: c["batch"])
+            width = method_bars(ax, cells, lambda r: r["x_plain"]["x"] if "x_plain" in r else None,
+                                ylabel="speed / plain eager generate()")
+            for i, c in enumerate(cells):
+                ax.hlines(c["eager"]["bound"], i - width / 2, i + 0.8 - width / 2, colors="black", linestyles="dashed",
+                          label="Leviathan bound (eager costs)" if i == 0 else None)
+            ax.set_title(f"{pair}, a = {alpha}")
+            ax.legend(fontsize=7)
+        ax.figure.suptitle(payload["stamp"]["machine"]["device"])
 
 
 def main(argv=None):

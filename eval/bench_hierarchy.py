@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from pathlib import Path
 
-import torch
-
 import hf_specdec
+from hf_specdec import _compat
 from envs import ENVS as MODELS, encode, humaneval_texts, qwen_coder, random_ids  # eval/ is on sys.path as a script
-from harness import Results, arguments, check_identity, identity_mark, interleaved, ints, parse
+from harness import Results, arguments, check_identity, forward_ms, identity_mark, interleaved, ints, parse
 from identity import compare_rows, counts, until_eos
 from methods import Method, spec_policy
 from report import figure
@@ -70,24 +68,6 @@ ENVS = {"tiny": lambda args: tiny_env("tiny"), "tiny-distilled": lambda args: ti
         "qwen-rag": lambda args: qwen_env(args, "rag")}
 
 
-def forward_seconds(model, batch: int, repeats: int = 5) -> float:
-    """Median seconds of a one-token forward after a 64-token prefill, `batch` rows (any device)."""
-    from hf_specdec import _compat
-    device = _compat.execution_device(model)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    ids = torch.randint(3, 1000, (batch, 65), generator=torch.Generator().manual_seed(0)).to(device)
-    times = []
-    for _ in range(repeats):
-        cache = _compat.new_cache(model)
-        model(input_ids=ids[:, :64], use_cache=True, **_compat.cache_kwargs(model, cache))
-        sync()
-        start = time.perf_counter()
-        model(input_ids=ids[:, 64:], use_cache=True, **_compat.cache_kwargs(model, cache))
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def methods(intermediate, draft, two_model_k, hierarchy) -> dict:
     """Method -> make its drafter (None: plain); drafters are made fresh per call (their stats are
     per call). draft: a causal LM, or a Drafter class (e.g. PromptLookupDrafter) made with no arguments."""
@@ -113,7 +93,8 @@ def run_env(name, args, results: Results) -> None:
             continue
         inputs = make_inputs(batch)
         models = (("target", target), ("inter", intermediate)) + (() if isinstance(draft, type) else (("draft", draft),))
-        seconds = {m: forward_seconds(m_model, batch) for m, m_model in models}
+        ids = random_ids(1000, batch, 64)["input_ids"]         # one-token forwards after a 64-token prefill
+        seconds = {m: forward_ms(model, ids.to(_compat.execution_device(model)))[1] / 1e3 for m, model in models}
         seconds.setdefault("draft", 0.0)      # a lookup drafter: no forward
         table = methods(intermediate, draft, args.two_model_k, args.hierarchy)
         drafters = {}

@@ -16,7 +16,8 @@ and, per policy, what the engine measured of its drafts: acceptance rate, how of
 simulated / measured throughput shows how far the simulator can be trusted. Each request's output is
 compared with the plain engine's (eval/identity.py: identical, first divergence at a near-tie of a
 bf16 target, or other, which fails the run).
-Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy).
+Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy), stamped,
+after each policy.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from hf_specdec.serving import Engine, Request, Simulator, phased
 sys.path.insert(0, str(Path(__file__).parent))
 from envs import ENVS, humaneval_texts  # noqa: E402
 from harness import Results, arguments, check_identity, interleaved, ints, parse  # noqa: E402
-from identity import compare_rows, counts  # noqa: E402
+from identity import compare_tokens, counts  # noqa: E402
 from methods import Method, spec_policy  # noqa: E402
-from report import figure  # noqa: E402
+from bench_serving_sim import plot_traces  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 
@@ -110,7 +111,8 @@ def main(argv=None):
     prefill = profile_prefill(model, lengths=sorted({16, longest // 4, longest // 2, longest}))
     Engine(model, [make_drafter()], hf_specdec.FixedLength(2), max_batch=args.max_batch,
            max_prompt_len=longest).run(requests[:2], prompts[:2])          # warm-up
-    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot(payload, phases, path),
+    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot_traces(
+        path, phases, {c["policy"]: c["steps"] for c in payload["cells"]}),
                       resume=False)      # each policy's outputs are checked against plain's of the same run
     results.payload.update(requests=len(requests), profile={"target": vars(prof.target), "prefill": vars(prefill)})
     plain_outputs = {}
@@ -131,8 +133,7 @@ def main(argv=None):
                         prefill=prefill, proposal_rate=proposal_rate, confidence=confidence).run(requests)
         if not plain_outputs:           # plain runs first
             plain_outputs.update(served.outputs)
-        verdicts = [compare_rows(model, torch.tensor([p]), None, torch.tensor([p + plain_outputs[r.id]]),
-                                 torch.tensor([p + served.outputs[r.id]]))[0] for r, p in zip(requests, prompts)]
+        verdicts = [compare_tokens(model, p, plain_outputs[r.id], served.outputs[r.id]) for r, p in zip(requests, prompts)]
         real, simulated = served.summary(args.slo_tpot), sim.summary(args.slo_tpot)
         results.add({"policy": method.name, "engine": real, "simulator": simulated, "identity": counts(verdicts),
                      "acceptance": round(alpha, 3), "proposal_rate": round(proposal_rate, 3),
@@ -178,27 +179,6 @@ def markdown(payload) -> str:
         d = {int(b): k for b, k in r["mean_k_by_batch"].items()}
         lines.append(f"| {r['policy']} | " + " | ".join(f"{d[b]:.2f}" if b in d else "" for b in sizes) + " |")
     return "\n".join(lines) + "\n"
-
-
-def plot(payload, phases, path: Path) -> None:
-    with figure(path, rows=3, size=(9, 8), sharex=True) as axes:
-        (rate,), (batch,), (chosen,) = axes
-        t, edges = 0.0, []
-        for duration, r in phases:
-            edges.append((t, t + duration, r))
-            t += duration
-        rate.step([a for a, _, _ in edges] + [edges[-1][1]], [r for _, _, r in edges] + [edges[-1][2]], where="post")
-        rate.set_ylabel("arrival rate (req/s)")
-        for r in payload["cells"]:
-            times = [s[0] for s in r["steps"]]
-            batch.plot(times, [s[1] for s in r["steps"]], label=r["policy"], lw=0.8)
-            if not r["policy"].startswith(("plain", "fixed")):
-                chosen.plot(times, [s[2] for s in r["steps"]], label=r["policy"], lw=0.8, marker=".", ms=2)
-        batch.set_ylabel("running batch")
-        batch.legend(fontsize=7, ncol=3)
-        chosen.set_ylabel("chosen k")
-        chosen.set_xlabel("time (s; idle gaps skipped)")
-        chosen.legend(fontsize=7)
 
 
 if __name__ == "__main__":

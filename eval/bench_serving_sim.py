@@ -135,7 +135,8 @@ def main(argv=None):
     phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
     streams["phased"] = lambda: phased(phases, seed=args.seed, **lengths)
     memory = None if args.profile else MEMORY[args.setting]
-    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot(payload, phases, path))
+    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot_traces(
+        path, phases, next((c["traces"] for c in payload["cells"] if "traces" in c), {})))
     results.payload.update(profile={"target": vars(prof.target), "draft": vars(prof.draft)},
                            memory=vars(memory) if memory else None)
     for name, make in streams.items():
@@ -172,26 +173,27 @@ def markdown(payload) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(payload, phases, path: Path) -> None:
-    traces = next((c["traces"] for c in payload["cells"] if "traces" in c), None)
-    if traces is None:                       # the phased stream not run yet
+def plot_traces(path: Path, phases, traces: dict) -> None:
+    """Arrival rate, running batch and the adaptive policies' k over time (traces: name -> [(time,
+    batch size, k)]); phases: the stream's (duration, rate)."""
+    if not traces:          # the phased stream not run yet
         return
-    with figure(path, rows=3, size=(9, 7), sharex=True) as axes:
+    with figure(path, rows=3, size=(9, 7.5), sharex=True) as axes:
         (rate,), (batch,), (chosen,) = axes
         start = 0.0
         for duration, r in phases:
             rate.plot([start, start + duration], [r, r], color="k")
             start += duration
         rate.set_ylabel("arrival rate (req/s)")
-        for method, trace in traces.items():
+        for name, trace in traces.items():
             t, b, k = zip(*trace)
-            batch.plot(t, b, label=method, lw=0.8)
-            if method != "plain":
-                chosen.plot(t, k, label=method, lw=0.6, alpha=0.8)
-        batch.set_ylabel("batch size")
-        chosen.set_ylabel("k")
+            batch.plot(t, b, label=name, lw=0.8)
+            if not name.startswith(("plain", "fixed")):
+                chosen.plot(t, k, label=name, lw=0.6, alpha=0.8)
+        batch.set_ylabel("running batch")
+        chosen.set_ylabel("chosen k")
         chosen.set_xlabel("time (s)")
-        batch.legend(fontsize=7)
+        batch.legend(fontsize=7, ncol=3)
         chosen.legend(fontsize=7)
 
 

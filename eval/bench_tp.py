@@ -29,6 +29,7 @@ from hf_specdec.embedded import gguf_path, load_model
 from harness import Results, generate, interleaved, speed        # eval/ is on sys.path as a script
 from humaneval_data import load_problems, prompt_text
 from methods import MethodFactory, parse_methods
+from report import figure
 
 
 def broadcast_seconds(ranks: distributed.Ranks, repeats: int = 200) -> float:
@@ -67,23 +68,16 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     cells = payload["cells"]
     methods = list(cells[0]["speed"])
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    for i, c in enumerate(cells):
-        xs = [c["speed"][m]["x"] for m in methods]
-        ax.plot(range(len(methods)), xs, "o-", label=c["problem"], alpha=0.8)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(methods)), methods, rotation=15)
-    ax.set_ylabel("speed over plain TP generate()")
-    ax.set_title(f"Qwen2.5-Coder 1.5B sharded over {payload['world_size']} ranks, 0.5B draft replicated")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, size=(6, 3.2), dpi=120) as ((ax,),):
+        for c in cells:
+            ax.plot(range(len(methods)), [c["speed"][m]["x"] for m in methods], "o-", label=c["problem"], alpha=0.8)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(methods)), methods, rotation=15)
+        ax.set_ylabel("speed over plain TP generate()")
+        ax.set_title(f"Qwen2.5-Coder 1.5B sharded over {payload['world_size']} ranks, 0.5B draft replicated")
+        ax.legend(fontsize=7)
 
 
 def main(argv=None):

@@ -1,7 +1,8 @@
 """Drafter selection study: single drafters, HedgeSpec and the bandit baselines UCBSpec / EXP3Spec,
 per domain and on the mixed stream of all prompts (each request has its own learner: selection is per
-request). Greedy, batch 1, methods interleaved per prompt after one warm-up generation. Every output
-is compared with plain generate() (eval/identity.py: identical, first divergence at a near-tie of a
+request). Greedy, batch 1, methods (eval/methods.py: a single drafter is `fixed:k` over it alone)
+interleaved per prompt by the harness after one warm-up generation. Every output is compared with
+plain generate() (eval/identity.py: identical, first divergence at a near-tie of a
 bf16 target, or other, which fails the run).
 
     python eval/drafter_selection.py --env qwen-coder --questions question.jsonl --per-domain 1 \
@@ -29,11 +30,10 @@ prose, qa, summarisation; provenance in each row), with the pool (N = 5):
   text); HedgeSpec's learner and feedback ablations on N=5.
 
 Writes <out>.json, <out>.md (tables) and <out>.png (extra target forwards vs the best single
-drafter, per domain).
+drafter, per domain), stamped, after each prompt; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
@@ -43,14 +43,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 import hf_specdec
-from hf_specdec.policies import EXP3Spec, UCBSpec
-from identity import compare_rows, counts   # eval/ is on sys.path when run as a script
-from report import stamp, write_results
-from spec_bench import SOURCE as SPEC_BENCH, chat_text
+import envs  # eval/ is on sys.path when run as a script
+from harness import Results, arguments, generate, interleaved, parse
+from identity import compare_tokens, counts
+from methods import Method, MethodFactory
+from report import figure
+from spec_bench import SOURCE as SPEC_BENCH, chat_text, load_questions
 
 logger = logging.getLogger("drafter_selection")
 HERE = Path(__file__).resolve().parent
@@ -60,10 +61,12 @@ BASE = ("bf16", "int8", "pld", "code-ds", "prose-ds")
 POOLS = {2: ["int8", "pld"], 4: ["int8", "pld", "code-ds", "prose-ds"], 5: list(BASE),
          8: list(BASE) + ["layers-2", "layers-4", "license-ds"]}
 QWEN_POOL = ["qwen-0.5b", "pld", "code-ds", "prose-ds"]
+HEDGESPEC_ABLATIONS = ("hedgespec-hedge", "hedgespec-adanormalhedge", "hedgespec-cost", "hedgespec-every2",
+                       "hedgespec-every4")
 
 
 @dataclass
-class Env:
+class Setup:
     title: str                       # the markdown heading's description of target and prompts
     model: object
     tokenizer: object
@@ -73,38 +76,17 @@ class Env:
     main: int
 
 
-@dataclass
-class Method:
-    name: str
-    pool: int | None                 # N; None: plain generate()
-    selector: object = None          # factory of a DrafterSelector
-    instance: object = None          # one selector for all prompts: learners restart per request,
-                                     # measured timings carry over
-
-    def policy(self, k: int):
-        self.instance = self.instance or self.selector()
-        return hf_specdec.SpecPolicy(self.instance, hf_specdec.FixedLength(k))
-
-
-def methods_for(pools: dict, main: int, ablations: bool) -> list[Method]:
-    """plain, each drafter of pools[main] alone, then per pool HedgeSpec, UCB and EXP3; `ablations`:
-    HedgeSpec's cold start, other learners, cost-aware and skipped feedback too."""
-    out = [Method("plain", None)]
-    for i, name in enumerate(pools[main]):
-        out.append(Method(f"single:{name}", main, lambda i=i: hf_specdec.FixedDrafter(i)))
+def methods_for(pools: dict, main: int, ablations: bool, k: int = 4) -> list[Method]:
+    """plain, each drafter of pools[main] alone (`fixed:k`), then per pool (@N<n>) HedgeSpec, UCB and
+    EXP3, k drafts a step; `ablations`: HedgeSpec's cold start, other learners, cost-aware and
+    skipped feedback too. One policy object per method serves every prompt: learners restart per
+    request, measured timings carry over."""
+    out = [Method("plain")] + [Method(f"single:{name}", "fixed", name, k) for name in pools[main]]
     for n in pools:
         tag = "" if n == main else f"@N{n}"
-        out.append(Method(f"hedgespec{tag}", n, lambda: hf_specdec.HedgeSpec(seed=0)))
-        if ablations and n in (5, 8):   # without our prompt warm start: the paper's cold start
-            out.append(Method(f"hedgespec-cold{tag}", n, lambda: hf_specdec.HedgeSpec(prompt_positions=0, seed=0)))
-        if ablations and n == 5:
-            out += [Method("hedgespec-hedge", 5, lambda: hf_specdec.HedgeSpec(learner="hedge", seed=0)),
-                    Method("hedgespec-adanormalhedge", 5, lambda: hf_specdec.HedgeSpec(learner="adanormalhedge", seed=0)),
-                    Method("hedgespec-cost", 5, lambda: hf_specdec.HedgeSpec(cost_aware=True, seed=0)),
-                    Method("hedgespec-every2", 5, lambda: hf_specdec.HedgeSpec(feedback_every=2, seed=0)),
-                    Method("hedgespec-every4", 5, lambda: hf_specdec.HedgeSpec(feedback_every=4, seed=0))]
-        out += [Method(f"ucb{tag}", n, lambda: UCBSpec()),
-                Method(f"exp3{tag}", n, lambda: EXP3Spec(seed=0))]
+        names = ["hedgespec"] + (["hedgespec-cold"] if ablations and n in (5, 8) else []) \
+            + (list(HEDGESPEC_ABLATIONS) if ablations and n == 5 else []) + ["ucb", "exp3"]
+        out += [Method(name + ("" if name in HEDGESPEC_ABLATIONS else tag), name, f"N{n}", k) for name in names]
     return out
 
 
@@ -137,34 +119,31 @@ def prose_datastore(tokenizer, exclude=()) -> hf_specdec.DatastoreDrafter:
                                                   tokenizer, name="prose-ds")
 
 
-def smollm2_env(args) -> Env:
-    from hf_specdec.embedded import load_smollm2
+def smollm2_env(args) -> Setup:
     if not 1 <= args.per_domain <= 8:
         raise ValueError(f"--per-domain must be in 1..8 for --env smollm2, got {args.per_domain}")
     pools = [int(x) for x in args.pools.split(",")]
     if not set(pools) <= set(POOLS) or 5 not in pools:
         raise ValueError(f"--pools must be a subset of {sorted(POOLS)} that includes 5, got {args.pools!r}")
-    model, tokenizer = load_smollm2()
+    target = envs.smollm2()
+    model, tokenizer = target.model, target.tokenizer
     prompts = load_prompts(args.per_domain)
-    return Env(title="SmolLM2-135M fp32", model=model, tokenizer=tokenizer, prompts=prompts,
+    return Setup(title="SmolLM2-135M fp32", model=model, tokenizer=tokenizer, prompts=prompts,
                drafters=build_drafters(model, tokenizer, prompts, args.max_datastore_tokens),
                pools={n: POOLS[n] for n in pools}, main=5)
 
 
-def qwen_coder_env(args, onednn=False) -> Env:
-    from spec_bench import load_questions
-    from hf_specdec.embedded import load_model
+def qwen_coder_env(args, onednn=False) -> Setup:
     prompts = load_questions(args.questions, args.per_domain)   # checked before the slow loading
-    model, tokenizer = load_model("qwen2.5-coder-1.5b-instruct", onednn=onednn)
-    draft, _ = load_model("qwen2.5-coder-0.5b-instruct", onednn=onednn)
-    drafters = {"qwen-0.5b": hf_specdec.ModelDrafter(draft, name="qwen-0.5b"),
+    pair = envs.ENVS["qwen-coder-onednn" if onednn else "qwen-coder"]()
+    model, tokenizer = pair.model, pair.tokenizer
+    drafters = {"qwen-0.5b": hf_specdec.ModelDrafter(pair.draft, name="qwen-0.5b"),
                 "pld": hf_specdec.PromptLookupDrafter(),
                 "code-ds": hf_specdec.DatastoreDrafter.from_files(stdlib_sources(), tokenizer,
                                                                    max_tokens=args.max_datastore_tokens, name="code-ds"),
                 "prose-ds": prose_datastore(tokenizer)}
     log_datastores(drafters)
-    kernels = "float32 on oneDNN" if onednn else "bf16"
-    return Env(title=f"Qwen2.5-Coder-1.5B-Instruct {kernels}, Spec-Bench questions", model=model, tokenizer=tokenizer,
+    return Setup(title=f"{pair.title}, Spec-Bench questions", model=model, tokenizer=tokenizer,
                prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
 
 
@@ -193,19 +172,13 @@ def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: 
 
 def encode(prompt: dict, tokenizer) -> dict:
     if prompt["style"] == "chat":
-        return dict(tokenizer(chat_text(prompt, tokenizer), return_tensors="pt", add_special_tokens=False))
-    return dict(tokenizer(prompt["text"], return_tensors="pt"))
+        return envs.encode(tokenizer, [chat_text(prompt, tokenizer)], chat=True)
+    return envs.encode(tokenizer, [prompt["text"]])
 
 
-def run_one(env: Env, inputs, method: Method, args) -> dict:
-    kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
-    if method.pool is not None:
-        pool = [env.drafters[name] for name in env.pools[method.pool]]
-        kwargs.update(assistant_models=pool, spec_policy=method.policy(args.k))
-    start = time.perf_counter()
-    out = env.model.generate(**kwargs)
-    seconds = time.perf_counter() - start
-    new = out.sequences[0, inputs["input_ids"].shape[1]:]
+def record(out, prompt_len: int, seconds: float) -> dict:
+    """One call's tokens, seconds and new tokens; with its SpecStats summary and tokens per step."""
+    new = out.sequences[0, prompt_len:]
     rec = {"tokens": len(new), "seconds": seconds, "sequence": new.tolist()}
     stats = getattr(out, "spec_stats", None)
     if stats is not None:
@@ -216,6 +189,16 @@ def run_one(env: Env, inputs, method: Method, args) -> dict:
     return rec
 
 
+def timed(model, factory, inputs: dict, max_new_tokens: int):
+    """run(method) for the harness: one greedy call's `record`."""
+    def run(method):
+        start = time.perf_counter()
+        out = generate(model, factory, method, **inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                       return_dict_in_generate=True)
+        return record(out, inputs["input_ids"].shape[1], time.perf_counter() - start)
+    return run
+
+
 def aggregate(records: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in records)
     forwards = sum(r["target_forwards"] for r in records)
@@ -224,11 +207,11 @@ def aggregate(records: list[dict]) -> dict:
            "mat": round(tokens / forwards, 4), "tokens_per_s": round(tokens / seconds, 3)}
     if "scoring_seconds" in records[0]:
         out["scoring_share"] = round(sum(r["scoring_seconds"] for r in records) / seconds, 4)
-        counts: dict = {}
+        steps: dict = {}
         for r in records:
             for name, c in r["drafter_row_steps"].items():
-                counts[name] = counts.get(name, 0) + c
-        out["drafter_steps"] = counts
+                steps[name] = steps.get(name, 0) + c
+        out["drafter_steps"] = steps
     return out
 
 
@@ -281,10 +264,20 @@ def summarize(runs: dict, prompts: list[dict], methods: list[Method]) -> dict:
     return {"groups": table, "targets": targets}
 
 
-def markdown(summary: dict, args, title: str) -> str:
-    identity = summary["identity"]
-    lines = [f"# Drafter selection: {title}, greedy, k={args.k}, {args.max_new_tokens} new tokens, "
-             f"{args.per_domain} prompt(s) per domain", "",
+def runs_of(payload) -> tuple[dict, list[dict]]:
+    """The finished prompts' records by method name, and those prompts."""
+    cells = payload["cells"]
+    return {name: [c["runs"][name] for c in cells] for name in cells[0]["runs"]}, [c["prompt"] for c in cells]
+
+
+def markdown(payload) -> str:
+    args = payload["args"]
+    runs, prompts = runs_of(payload)
+    summary = summarize(runs, prompts, [Method(name) for name in runs])
+    verdicts = [v for c in payload["cells"] for v in c["verdicts"]]
+    identity = counts(verdicts)
+    lines = [f"# Drafter selection: {payload['title']}, greedy, k={args['k']}, {args['max_new_tokens']} new tokens, "
+             f"{len(prompts)} of {payload['prompts']} prompt(s) ({args['per_domain']} per domain)", "",
              f"Outputs against plain generate(), all methods and prompts: {identity['identical']} identical, "
              f"{identity['near_tie']} first differing at a near-tie of the target's dtype, {identity['other']} "
              "otherwise (eval/identity.py).", ""]
@@ -303,32 +296,28 @@ def markdown(summary: dict, args, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict, prompts: list[dict], methods: list[Method], summary: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(payload, path: Path) -> None:
+    runs, prompts = runs_of(payload)
+    summary = summarize(runs, prompts, [Method(name) for name in runs])
     groups = list(summary["groups"])
     cols = min(len(groups), 5)
     rows = -(-len(groups) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), squeeze=False)
-    for ax in axes.flat[len(groups):]:
-        ax.axis("off")
-    for ax, group in zip(axes.flat, groups):
-        idx = [i for i, p in enumerate(prompts) if group == "mixed" or p["domain"] == group]
-        best = summary["groups"][group]["best_single"]
-        for m in methods:
-            if m.name.removesuffix("@N8") in ("hedgespec", "hedgespec-cold", "ucb", "exp3"):
-                curve = extra_forwards_curve([runs[m.name][i] for i in idx], [runs[best][i] for i in idx])
-                ax.plot(range(1, len(curve) + 1), curve, label=m.name, linestyle="-" if "@N8" in m.name else "--")
-        ax.set_title(f"{group} (vs {best})")
-        ax.set_xlabel("tokens generated (per prompt)")
-        ax.axhline(0, color="grey", linewidth=0.5)
-    for row in axes:
-        row[0].set_ylabel("extra target forwards (summed)")
-    axes.flat[len(groups) - 1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, rows, cols, size=(4 * cols, 3.4 * rows), dpi=120) as axes:
+        for ax in axes.flat[len(groups):]:
+            ax.axis("off")
+        for ax, group in zip(axes.flat, groups):
+            idx = [i for i, p in enumerate(prompts) if group == "mixed" or p["domain"] == group]
+            best = summary["groups"][group]["best_single"]
+            for name in runs:
+                if name.removesuffix("@N8") in ("hedgespec", "hedgespec-cold", "ucb", "exp3"):
+                    curve = extra_forwards_curve([runs[name][i] for i in idx], [runs[best][i] for i in idx])
+                    ax.plot(range(1, len(curve) + 1), curve, label=name, linestyle="-" if "@N8" in name else "--")
+            ax.set_title(f"{group} (vs {best})")
+            ax.set_xlabel("tokens generated (per prompt)")
+            ax.axhline(0, color="grey", linewidth=0.5)
+        for row in axes:
+            row[0].set_ylabel("extra target forwards (summed)")
+        axes.flat[len(groups) - 1].legend(fontsize=7)
 
 
 def cost_case(k: int = 4, new_tokens: int = 64, prompts: int = 4) -> dict:
@@ -336,43 +325,31 @@ def cost_case(k: int = 4, new_tokens: int = 64, prompts: int = 4) -> dict:
     target) against a cheap, slightly noisy one (the 1-layer exact draft of
     hf_specdec.testing.exact_cheap_pair plus noise). MAT-HedgeSpec prefers the copy; cost-aware
     HedgeSpec, weighing measured cost, the cheap drafter. Greedy, batch 1, interleaved."""
-    from hf_specdec.testing import exact_cheap_pair, noisy_copy
-    target, cheap = exact_cheap_pair()
-    pool = [hf_specdec.ModelDrafter(copy.deepcopy(target), name="exact-copy"),
-            hf_specdec.ModelDrafter(noisy_copy(cheap, 0.015), name="cheap-noisy")]
-    ids = torch.randint(3, target.config.vocab_size, (prompts, 32), generator=torch.Generator().manual_seed(0))
-    methods = {"plain": None, "single:exact-copy": hf_specdec.FixedDrafter(0),
-               "single:cheap-noisy": hf_specdec.FixedDrafter(1),
-               "hedgespec": hf_specdec.HedgeSpec(seed=0), "hedgespec-cost": hf_specdec.HedgeSpec(cost_aware=True, seed=0),
-               "hedgespec-cost-every4": hf_specdec.HedgeSpec(cost_aware=True, feedback_every=4, seed=0),
-               "hedgespec-cost-every8": hf_specdec.HedgeSpec(cost_aware=True, feedback_every=8, seed=0)}
-    totals = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "steps": {}} for m in methods}
+    from hf_specdec.testing import noisy_copy
+    pair = envs.tiny_exact()
+    drafters = {"exact-copy": hf_specdec.ModelDrafter(copy.deepcopy(pair.model), name="exact-copy"),
+                "cheap-noisy": hf_specdec.ModelDrafter(noisy_copy(pair.draft, 0.015), name="cheap-noisy")}
+    factory = MethodFactory(pair.model, drafters=drafters, pools={"pair": tuple(drafters)})
+    methods = [Method("plain"), *(Method(f"single:{d}", "fixed", d, k) for d in drafters),
+               *(Method(name, name, "pair", k) for name in ("hedgespec", "hedgespec-cost", "hedgespec-cost-every4",
+                                                            "hedgespec-cost-every8"))]
+    ids = envs.random_ids(pair.model.config.vocab_size, prompts)
+    records = {m.name: [] for m in methods}
     for i in range(prompts):
-        for name, sel in methods.items():
-            kwargs = dict(input_ids=ids[i:i + 1], max_new_tokens=new_tokens, do_sample=False,
-                          return_dict_in_generate=True, custom_generate=hf_specdec.generate if sel else None)
-            if sel is not None:
-                kwargs.update(assistant_models=pool, spec_policy=hf_specdec.SpecPolicy(sel, hf_specdec.FixedLength(k)))
-            start = time.perf_counter()
-            out = target.generate(**{k_: v for k_, v in kwargs.items() if v is not None})
-            t = totals[name]
-            t["seconds"] += time.perf_counter() - start
-            tokens = out.sequences.shape[1] - ids.shape[1]
-            t["tokens"] += tokens
-            stats = getattr(out, "spec_stats", None)
-            t["forwards"] += stats.target_forwards if stats else tokens
-            for d, c in (stats.drafter_row_steps() if stats else {}).items():
-                t["steps"][d] = t["steps"].get(d, 0) + c
-    plain = totals["plain"]["tokens"] / totals["plain"]["seconds"]
-    return {name: {"mat": round(t["tokens"] / t["forwards"], 3), "tokens_per_s": round(t["tokens"] / t["seconds"], 1),
-                   "vs_plain": round(t["tokens"] / t["seconds"] / plain, 3), "drafter_steps": t["steps"]}
-            for name, t in totals.items()}
+        inputs = {key: v[i:i + 1] for key, v in ids.items()}
+        timing = interleaved(methods, timed(pair.model, factory, inputs, new_tokens), rounds=1, warmup=False, offset=i)
+        for name, rec in timing.outputs.items():
+            records[name].append(rec)
+    rows = {name: aggregate(recs) for name, recs in records.items()}
+    return {name: {"mat": round(r["mat"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
+                   "vs_plain": round(r["tokens_per_s"] / rows["plain"]["tokens_per_s"], 3),
+                   "drafter_steps": r.get("drafter_steps", {})} for name, r in rows.items()}
 
 
-def cost_markdown(case: dict) -> str:
+def cost_markdown(payload) -> str:
     lines = ["## Cost-aware case (tiny exact-and-cheap models: exact full copy vs cheap noisy 1-layer drafter)", "",
              "| method | MAT | tok/s | vs plain | drafter row-steps |", "|---|---:|---:|---:|---|"]
-    for name, r in case.items():
+    for name, r in payload["cells"][0]["methods"].items():
         steps = ", ".join(f"{k}:{v}" for k, v in sorted(r["drafter_steps"].items(), key=lambda x: -x[1]))
         lines.append(f"| {name} | {r['mat']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | {steps} |")
     return "\n".join(lines) + "\n"
@@ -383,7 +360,7 @@ ENVS = {"qwen-coder": qwen_coder_env, "qwen-coder-onednn": lambda args: qwen_cod
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--env", choices=sorted(ENVS), default="smollm2")
     parser.add_argument("--questions", default=None,
                         help="Spec-Bench's question.jsonl (--env qwen-coder; see eval/spec_bench.py)")
@@ -394,67 +371,44 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", default=None, help="comma-separated subset of method names")
     parser.add_argument("--max-datastore-tokens", type=int, default=1_000_000)
     parser.add_argument("--out", default="results/drafter_selection")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the prompts already finished in <out>.partial.json")
     parser.add_argument("--only-cost-case", action="store_true",
                         help="run only the cost-aware case on tiny models (seconds) and write <out>-cost.{json,md}")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    args = parse(parser, argv)
     if args.only_cost_case:
-        case = cost_case(args.k)
-        Path(f"{out}-cost.json").write_text(json.dumps(case, indent=1))
-        Path(f"{out}-cost.md").write_text(cost_markdown(case))
-        print(cost_markdown(case))
-        return case
+        results = Results(Path(f"{args.out}-cost"), vars(args), cost_markdown, resume=False)
+        results.add({"methods": cost_case(args.k)})
+        print(cost_markdown(results.payload))
+        return results.cells[0]["methods"]
     if args.env.startswith("qwen-coder") and args.questions is None:
         parser.error(f"--env {args.env} needs --questions: Spec-Bench's question.jsonl, from {SPEC_BENCH}")
 
-    starts = [stamp()]   # the code and machine of every start: a resumed run may span commits
     env = ENVS[args.env](args)
-    methods = methods_for(env.pools, env.main, ablations=args.env == "smollm2")
+    methods = methods_for(env.pools, env.main, ablations=args.env == "smollm2", k=args.k)
     if args.methods:
         wanted = set(args.methods.split(",")) | {"plain", "hedgespec"} | {f"single:{b}" for b in env.pools[env.main]}
         methods = [m for m in methods if m.name in wanted]
-    model, tokenizer = env.model, env.tokenizer
-    hf_specdec.enable(model)
-    eos = model.generation_config.eos_token_id
-    encoded = [encode(p, tokenizer) for p in env.prompts]
-    run_one(env, encoded[0], methods[-1], argparse.Namespace(max_new_tokens=8, k=args.k))  # warm-up
-
-    partial = Path(f"{out}.partial.json")
-    runs, verdicts = {m.name: [] for m in methods}, []
-    if args.resume and partial.exists():
-        saved = json.loads(partial.read_text())
-        runs, verdicts, starts = saved["runs"], saved["verdicts"], saved.get("starts", []) + starts
-        logger.info("resuming after %d finished prompts", len(runs["plain"]))
+    model, eos = env.model, env.model.generation_config.eos_token_id
+    factory = MethodFactory(model, drafters=env.drafters, pools={f"N{n}": tuple(names) for n, names in env.pools.items()})
+    encoded = [encode(p, env.tokenizer) for p in env.prompts]
+    timed(model, factory, encoded[0], 8)(methods[-1])                              # warm-up
+    results = Results(Path(args.out), vars(args), markdown, plot)
+    results.payload.update(title=env.title, prompts=len(env.prompts))
     for i, inputs in enumerate(tqdm(encoded, desc="prompts")):
-        if i < len(runs["plain"]):
+        if results.done({"index": i}):
             continue
-        for m in methods:
-            rec = run_one(env, inputs, m, args)
-            runs[m.name].append(rec)
-            if m.name != "plain":
-                plain_row, spec_row = (torch.cat([inputs["input_ids"][0], torch.tensor(r["sequence"])])[None]
-                                       for r in (runs["plain"][i], rec))
-                (v,) = compare_rows(model, inputs["input_ids"], None, plain_row, spec_row, eos)
-                verdicts.append({"method": m.name, "prompt": env.prompts[i]["id"], **v})
-        partial.write_text(json.dumps({"runs": runs, "verdicts": verdicts, "starts": starts}))
-    summary = summarize(runs, env.prompts, methods)
-    summary.update(args=vars(args), prompts=[p["id"] for p in env.prompts], identity=counts(verdicts))
-    payload = {"stamp": starts[0], "starts": starts, "summary": summary,
-               "divergences": [v for v in verdicts if v["verdict"] != "identical"], "runs": {
-        name: [{k: v for k, v in r.items() if k != "sequence"} for r in recs] for name, recs in runs.items()}}
-    md = write_results(out.parent, out.name, payload, markdown(summary, args, env.title),
-                       lambda path: plot(runs, env.prompts, methods, summary, path))
-    partial.unlink()
-    logger.info("wrote %s.{json,md,png}", out)
-    print(md.read_text())
-    if summary["identity"]["other"]:
-        raise SystemExit(f"outputs differ from plain generate(): {payload['divergences']}")
-    return summary
+        timing = interleaved(methods, timed(model, factory, inputs, args.max_new_tokens), rounds=1, warmup=False,
+                             offset=i)
+        runs = timing.outputs
+        verdicts = [{"method": m.name, "prompt": env.prompts[i]["id"], **compare_tokens(
+            model, inputs["input_ids"][0], runs["plain"]["sequence"], runs[m.name]["sequence"], eos)} for m in methods[1:]]
+        results.add({"index": i, "prompt": env.prompts[i], "verdicts": verdicts,
+                     "runs": {m.name: {k: v for k, v in runs[m.name].items() if k != "sequence"} for m in methods}})
+    print(markdown(results.payload))
+    divergences = [v for c in results.cells for v in c["verdicts"] if v["verdict"] == "other"]
+    if divergences:
+        raise SystemExit(f"outputs differ from plain generate(): {divergences}")
+    return summarize(*runs_of(results.payload), methods)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     main()

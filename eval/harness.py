@@ -127,8 +127,29 @@ class Results:
 
     def save(self) -> Path:
         self.payload.pop("stamp", None)
-        plot = (lambda path: self.plot(self.payload, path)) if self.plot and self.cells else None
+        plot = (lambda path: self.plot(self.payload, path)) if self.plot else None
         return write_results(self.out.parent, self.out.name, self.payload, self.markdown(self.payload), plot)
+
+
+def forward_ms(model, input_ids: torch.Tensor, widths=(1,), repeats: int = 5) -> dict[int, float]:
+    """Median milliseconds of one forward of `w` tokens over a cache of `input_ids` [b, p], per width
+    w (the first of each width a warm-up); the device is synchronised around each."""
+    from hf_specdec import _compat
+    sync = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda: None)
+    cache = _compat.new_cache(model)
+    model(input_ids=input_ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+    out = {}
+    for w in widths:
+        times = []
+        for _ in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            model(input_ids=input_ids[:, -w:], use_cache=True, **_compat.cache_kwargs(model, cache))
+            sync()
+            times.append(time.perf_counter() - start)
+            _compat.crop(cache, w)
+        out[w] = round(1e3 * statistics.median(times[1:]), 2)
+    return out
 
 
 class ForwardCounter:

@@ -17,15 +17,15 @@ block holding the prompt (--prompt-style chat: generation stops at the block's e
 test code after the function is cut, as evalplus sanitises). Samples of a problem are generated in
 batches of copies of the prompt, executed against the problem's tests in a sandbox
 (eval/sandbox.py: separate process, limits), and appended to <out>/samples.jsonl as soon as their
-batch finishes; a rerun skips what is done. Methods take turns problem by problem (plain first),
-so a run cut short compares them on the same problems. Sampling is seeded per (problem, batch),
-identically for every method. --temperature 0 means greedy (n = 1): each completion is compared
-with plain's token by token, and a first divergence is re-scored (eval/identity.py: a near-tie of
-the target's dtype, or anything else, a bug). At the end: <out>/summary.{json,md,png}, stamped.
+problem finishes; a rerun skips what is done. Methods take turns problem by problem, in the
+harness's interleaved order (rotated by one each problem), so a run cut short compares them on the
+same problems. Sampling is seeded per (problem, batch), identically for every method. --temperature
+0 means greedy (n = 1): each completion is compared with plain's token by token, and a first
+divergence is re-scored (eval/identity.py: a near-tie of the target's dtype, or anything else, a
+bug). At the end: <out>/summary.{json,md,png}, stamped (eval/harness.py's Results).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -33,29 +33,31 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
 from transformers import StopStringCriteria, StoppingCriteriaList
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `eval` as a package from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its eval/ neighbours by name, imported from anywhere
 import hf_specdec  # noqa: E402
 from hf_specdec.drafters.self_draft import KINDS as SELF_DRAFT_KINDS  # noqa: E402
-from eval.humaneval_data import (load_pass_at_k_metric, load_problems, prompt_text, stop_sequences,  # noqa: E402
-                                  truncate_completion)
-from eval.identity import VERDICTS, compare_rows, until_eos  # noqa: E402
-from eval.methods import MethodFactory, parse_methods, parse_pool  # noqa: E402
-from eval.report import machine_line, stamp, stamp_line  # noqa: E402
-from eval.sandbox import run_checks  # noqa: E402
 from hf_specdec.embedded import MODELS, load_model, use_onednn_linears  # noqa: E402
+from envs import smollm2  # noqa: E402
+from harness import Results, arguments, interleaved  # noqa: E402
+from humaneval_data import load_pass_at_k_metric, load_problems, prompt_text, stop_sequences, truncate_completion  # noqa: E402
+from identity import VERDICTS, compare_tokens, until_eos  # noqa: E402
+from methods import MethodFactory, parse_methods, parse_pool  # noqa: E402
+from report import figure, machine_line, stamp, stamp_line  # noqa: E402
+from sandbox import run_checks  # noqa: E402
 
 logger = logging.getLogger("humaneval")
 def load_models(args):
     """(target with hf_specdec enabled, tokenizer, draft model or None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if args.target == "smollm2":
-        from hf_specdec.embedded import load_smollm2
-        target, tokenizer = load_smollm2()
+        env = smollm2()
+        target, tokenizer = env.model, env.tokenizer
     elif args.target == "tiny-random":
         from hf_specdec.embedded import load_smollm2_tokenizer
         from hf_specdec.testing import build
@@ -135,26 +137,22 @@ def trim(row: torch.Tensor, pad) -> torch.Tensor:
 
 def identity_verdict(model, batch: Batch, plain_tokens: list) -> dict:
     """Greedy, one row: this completion against plain's, re-scored at a first divergence."""
-    prompt = batch.inputs["input_ids"]
-    plain = torch.cat([prompt[0], torch.tensor(plain_tokens, dtype=prompt.dtype)])[None]
-    spec = torch.cat([prompt[0], torch.tensor(batch.tokens[0], dtype=prompt.dtype)])[None]
-    verdict = compare_rows(model, prompt, batch.inputs["attention_mask"], plain, spec,
-                           model.generation_config.eos_token_id)[0]
+    verdict = compare_tokens(model, batch.inputs["input_ids"][0], plain_tokens, batch.tokens[0],
+                             model.generation_config.eos_token_id)
     return {key: value for key, value in verdict.items() if key != "row"}   # one row: its index says nothing
 
 
 def run(args, methods, problems, out_dir: Path):
     samples_path = out_dir / "samples.jsonl"
     done = read_done(samples_path)
-    # problem by problem, every method in turn (plain first: greedy runs compare with it)
-    order = sorted(methods, key=lambda m: m.policy is not None)
-    todo = [(m, p, s) for p in problems for m in order for s in range(0, args.n, args.batch_size)
-            if any((m.name, p["task_id"], i) not in done for i in range(s, min(s + args.batch_size, args.n)))]
+    missing = lambda m, p, first: [s for s in range(first, min(first + args.batch_size, args.n))  # noqa: E731
+                                   if (m.name, p["task_id"], s) not in done]
+    todo = [p for p in problems if any(missing(m, p, f) for m in methods for f in range(0, args.n, args.batch_size))]
     if not todo:
         return done
     runs_path = out_dir / "runs.json"     # the stamp of every start: a resumed run may span commits
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
-    runs_path.write_text(json.dumps(runs + [{**stamp(), "batches_to_do": len(todo)}], indent=1))
+    runs_path.write_text(json.dumps(runs + [{**stamp(), "problems_to_do": len(todo)}], indent=1))
     model, tokenizer, draft = load_models(args)
     factory = MethodFactory(model, draft_model=draft, pool=args.pool)
     if args.onednn:    # after every copy of the target is made: swapped layers are not nn.Linear
@@ -166,31 +164,41 @@ def run(args, methods, problems, out_dir: Path):
     with samples_path.open("a") as sink:
         if samples_path.stat().st_size and not samples_path.read_bytes().endswith(b"\n"):
             sink.write("\n")  # a line cut short by a kill: keep the new records on lines of their own
-        for method, problem, first in tqdm(todo, desc="generate + execute", smoothing=0.05):
-            count = min(args.batch_size, args.n - first)
-            seed = args.seed * 1_000_003 + int(problem["task_id"].split("/")[1]) * 1009 + first
-            batch = generate_batch(model, tokenizer, factory, method, problem, count, seed, criteria, args)
-            completions = [truncate_completion(t, stop_sequences(args.prompt_style)) for t in batch.texts]
-            results = run_checks([(problem, c) for c in completions], workers=2, timeout=args.timeout,
-                                 progress=False)
-            plain = done.get(("plain", problem["task_id"], 0), {}).get("tokens")
-            identity = identity_verdict(model, batch, plain) \
-                if args.temperature == 0 and method.policy is not None and plain is not None else None
-            for i, (completion, tokens, result) in enumerate(zip(completions, batch.tokens, results)):
-                key = (method.name, problem["task_id"], first + i)
-                if key in done:
-                    continue
-                rec = {"method": method.name, "task_id": problem["task_id"], "sample": first + i,
-                       "completion": completion, "new_tokens": len(tokens), "passed": result["passed"],
-                       "result": result["result"], "batch_seconds": batch.seconds, "batch_size": count,
-                       "batch_tokens": sum(len(t) for t in batch.tokens),
-                       "mean_accepted_tokens": batch.stats.mean_accepted_tokens if batch.stats else None,
-                       "acceptance_rate": batch.stats.acceptance_rate if batch.stats else None}
-                if args.temperature == 0:
-                    rec.update(tokens=tokens, identity=identity)
-                sink.write(json.dumps(rec) + "\n")
-                sink.flush()  # a kill loses at most the batch in flight
-                done[key] = rec
+        for i, problem in enumerate(tqdm(todo, desc="generate + execute", smoothing=0.05)):
+            def samples(method) -> list:
+                """(first sample, Batch, completions, check results) of each unfinished batch."""
+                out = []
+                for first in range(0, args.n, args.batch_size):
+                    if not missing(method, problem, first):
+                        continue
+                    count = min(args.batch_size, args.n - first)
+                    seed = args.seed * 1_000_003 + int(problem["task_id"].split("/")[1]) * 1009 + first
+                    batch = generate_batch(model, tokenizer, factory, method, problem, count, seed, criteria, args)
+                    completions = [truncate_completion(t, stop_sequences(args.prompt_style)) for t in batch.texts]
+                    out.append((first, batch, completions, run_checks([(problem, c) for c in completions], workers=2,
+                                                                      timeout=args.timeout, progress=False)))
+                return out
+            timing = interleaved(methods, samples, rounds=1, warmup=False, offset=i)
+            plain_batches = timing.outputs.get("plain") or [(0, None, None, None)]
+            plain = done.get(("plain", problem["task_id"], 0), {}).get("tokens") or \
+                (plain_batches[0][1].tokens[0] if plain_batches[0][1] else None)
+            for method in methods:      # the problem's records, written once every method has run
+                for first, batch, completions, results in timing.outputs[method.name]:
+                    identity = identity_verdict(model, batch, plain) \
+                        if args.temperature == 0 and method.policy is not None and plain is not None else None
+                    for j, (completion, tokens, result) in enumerate(zip(completions, batch.tokens, results)):
+                        rec = {"method": method.name, "task_id": problem["task_id"], "sample": first + j,
+                               "completion": completion, "new_tokens": len(tokens), "passed": result["passed"],
+                               "result": result["result"], "batch_seconds": batch.seconds,
+                               "batch_size": len(batch.tokens), "batch_tokens": sum(len(t) for t in batch.tokens),
+                               "mean_accepted_tokens": batch.stats.mean_accepted_tokens if batch.stats else None,
+                               "acceptance_rate": batch.stats.acceptance_rate if batch.stats else None}
+                        if args.temperature == 0:
+                            rec.update(tokens=tokens, identity=identity)
+                        if (method.name, problem["task_id"], first + j) not in done:
+                            sink.write(json.dumps(rec) + "\n")
+                            done[(method.name, problem["task_id"], first + j)] = rec
+                sink.flush()  # a kill loses at most the problem in flight
     return done
 
 
@@ -219,8 +227,7 @@ def summarize(args, methods, problems, done):
                 if all((m.name, p["task_id"], s) in done for m in methods for s in range(args.n))]
     plain = next((m for m in methods if m.policy is None), None)
     runs_path = Path(args.out) / "runs.json"
-    summary = {"stamp": stamp(), "runs": json.loads(runs_path.read_text()) if runs_path.exists() else [],
-               "args": dict(vars(args)),
+    summary = {"runs": json.loads(runs_path.read_text()) if runs_path.exists() else [], "args": dict(vars(args)),
                "problems_finished": len(task_ids), "problems_requested": len(problems), "methods": {}}
     if not task_ids:
         return summary
@@ -263,23 +270,26 @@ def summarize(args, methods, problems, done):
     return summary
 
 
-def markdown(summary, args):
+def markdown(summary):
+    """The table; its stamp line names every start of the run (Results writes this run's above it)."""
+    args = SimpleNamespace(**summary["args"])
     finished, requested = summary["problems_finished"], summary["problems_requested"]
-    runs = summary["runs"] or [summary["stamp"]]
-    resumed = sorted({r["commit"] for r in runs[1:]} - {runs[0]["commit"]})
-    resumes = "" if len(runs) == 1 else f" (resumed {len(runs) - 1} times" + \
-        (f", at commits {', '.join(resumed)})" if resumed else ")")
-    machines = sorted({machine_line(r) for r in runs})
-    if len(machines) > 1:   # every problem's methods still ran back to back on one machine: ratios hold
-        resumes += f"; its parts ran on different machines: {'; '.join(machines)}"
-    lines = [f"_{stamp_line(runs[0])}_{resumes}", "",
-             f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
-             ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
-             + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}"
-             + (f", draft: the target's {args.draft} copy" if args.draft in SELF_DRAFT_KINDS else "")
-             + (f", {args.dtype}" if args.dtype else "") + (", oneDNN linear layers" if args.onednn else ""), "",
-             f"{finished} of {requested} problems finished by every method"
-             + ("." if finished == requested else " (the run has not finished: what follows covers those only)."), ""]
+    runs, lines = summary["runs"], []
+    if len(runs) > 1:
+        resumed = sorted({r["commit"] for r in runs[1:]} - {runs[0]["commit"]})
+        machines = sorted({machine_line(r) for r in runs})
+        lines += [f"_first started: {stamp_line(runs[0])} (resumed {len(runs) - 1} times"
+                  + (f", at commits {', '.join(resumed)})" if resumed else ")")
+                  # every problem's methods still ran back to back on one machine: ratios hold
+                  + (f"; its parts ran on different machines: {'; '.join(machines)}" if len(machines) > 1 else "")
+                  + "_", ""]
+    lines += [f"# HumanEval: {args.target}, {args.prompt_style} prompt, " +
+              ("greedy" if args.temperature == 0 else f"sampling (temperature {args.temperature}, top-p {args.top_p})")
+              + f", n={args.n}, batch {min(args.batch_size, args.n)}, max_new_tokens={args.max_new_tokens}"
+              + (f", draft: the target's {args.draft} copy" if args.draft in SELF_DRAFT_KINDS else "")
+              + (f", {args.dtype}" if args.dtype else "") + (", oneDNN linear layers" if args.onednn else ""), "",
+              f"{finished} of {requested} problems finished by every method"
+              + ("." if finished == requested else " (the run has not finished: what follows covers those only)."), ""]
     if not finished:
         return "\n".join(lines) + "\n"
     cols = [f"pass@{k}" for k in args.k]
@@ -319,32 +329,28 @@ def markdown(summary, args):
     return "\n".join(lines) + "\n"
 
 
-def plot(summary, args, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(summary["methods"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(args.k)
-    for i, k in enumerate(args.k):
-        left.bar([x + i * width for x in range(len(names))], [summary["methods"][n][f"pass@{k}"] for n in names],
-                 width, label=f"pass@{k}")
-    left.set_xticks([x + width * (len(args.k) - 1) / 2 for x in range(len(names))], names, rotation=20)
-    left.set_ylabel("pass@k")
-    left.set_ylim(0, 1.15)   # room above 1 for the legend, which would hide bars elsewhere
-    left.legend(loc="upper center", ncol=len(args.k))
-    left.set_title("quality (should not change)")
-    right.bar(names, [summary["methods"][n]["tokens_per_s"] for n in names], color="tab:gray")
-    right.set_ylabel("tokens/s")
-    right.set_title("speed")
-    right.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def plot(summary, path):
+    ks, names = summary["args"]["k"], list(summary["methods"])
+    if not names:
+        return
+    with figure(path, cols=2, size=(11, 4)) as ((left, right),):
+        width = 0.8 / len(ks)
+        for i, k in enumerate(ks):
+            left.bar([x + i * width for x in range(len(names))], [summary["methods"][n][f"pass@{k}"] for n in names],
+                     width, label=f"pass@{k}")
+        left.set_xticks([x + width * (len(ks) - 1) / 2 for x in range(len(names))], names, rotation=20)
+        left.set_ylabel("pass@k")
+        left.set_ylim(0, 1.15)   # room above 1 for the legend, which would hide bars elsewhere
+        left.legend(loc="upper center", ncol=len(ks))
+        left.set_title("quality (should not change)")
+        right.bar(names, [summary["methods"][n]["tokens_per_s"] for n in names], color="tab:gray")
+        right.set_ylabel("tokens/s")
+        right.set_title("speed")
+        right.tick_params(axis="x", rotation=20)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--methods", default="plain,fixed@bf16,fixed@int8,fixed@pld",
                         help="comma-separated: plain or <policy>[:k]@<drafter> (eval/methods.py)")
     parser.add_argument("--n", type=int, default=10, help="samples per problem")
@@ -407,13 +413,11 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     done = read_done(out_dir / "samples.jsonl") if args.summary_only else run(args, methods, problems, out_dir)
     summary = summarize(args, methods, problems, done)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    table = markdown(summary, args)
-    (out_dir / "summary.md").write_text(table)
-    if summary["methods"]:
-        plot(summary, args, out_dir / "summary.png")
-    print(table)
-    return summary
+    results = Results(out_dir / "summary", summary.pop("args"), markdown, plot, resume=False)
+    results.payload.update(summary)
+    results.save()
+    print(markdown(results.payload))
+    return results.payload
 
 
 if __name__ == "__main__":

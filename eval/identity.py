@@ -76,6 +76,13 @@ def compare_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return verdicts
 
 
+def compare_tokens(model, prompt, plain, spec, eos_token_id=None) -> dict:
+    """`compare_rows` for one row: new tokens `spec` against `plain` after `prompt` (lists or 1-d tensors)."""
+    prompt = torch.as_tensor(prompt).reshape(1, -1)
+    row = lambda new: torch.cat([prompt[0], torch.as_tensor(new, dtype=prompt.dtype)])[None]  # noqa: E731
+    return compare_rows(model, prompt, None, row(plain), row(spec), eos_token_id)[0]
+
+
 def _split_gap(model, prefix: torch.Tensor, j: int, plain_token: int, spec_token: int) -> float:
     """The logit gap at the end of prefix [1, n] when its last j tokens go in one forward over a cache."""
     cache = _compat.new_cache(model)

@@ -13,7 +13,8 @@ policy      hf-assisted[:k]  Transformers' own assisted generation (its code, no
                            fixed[:k], measured[:k], nightjar[:k], adaspec[:k], dsd[:k], hf-heuristic[:k],
                            confidence; hedgespec, ucb, exp3 choose among the drafters of @pool
             ablations (ABLATIONS): nightjar-exact (the paper's one bandit per batch size), HedgeSpec
-                           variants (hedgespec-cold, -hedge, -adanormalhedge, -cost, -every2, -every4);
+                           variants (hedgespec-cold, -hedge, -adanormalhedge, -cost, -every2, -every4,
+                           -cost-every4, -cost-every8);
                            a selector's ':k' is k drafts every step (the library's: 4)
 drafter     draft          the draft model (an embedded name, a hub id or a path)
             pld            prompt lookup
@@ -43,7 +44,9 @@ SELECTOR_ABLATIONS = {
     "hedgespec-adanormalhedge": lambda: hf_specdec.HedgeSpec(learner="adanormalhedge"),
     "hedgespec-cost": lambda: hf_specdec.HedgeSpec(cost_aware=True),
     "hedgespec-every2": lambda: hf_specdec.HedgeSpec(feedback_every=2),
-    "hedgespec-every4": lambda: hf_specdec.HedgeSpec(feedback_every=4)}
+    "hedgespec-every4": lambda: hf_specdec.HedgeSpec(feedback_every=4),
+    "hedgespec-cost-every4": lambda: hf_specdec.HedgeSpec(cost_aware=True, feedback_every=4),
+    "hedgespec-cost-every8": lambda: hf_specdec.HedgeSpec(cost_aware=True, feedback_every=8)}
 LENGTH_ABLATIONS = {"nightjar-exact": lambda profile, **kw: hf_specdec.Nightjar(switch_cost=profile, buckets="exact", **kw)}
 # the length policies that model costs, given the pair's CostProfile (the simulator: none to measure)
 PROFILED = {"adaspec": lambda profile, **kw: hf_specdec.AdaSpec(profile, **kw),

@@ -115,3 +115,21 @@ def figure(path: Path, rows: int = 1, cols: int = 1, size: tuple[float, float] |
         fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)
+
+
+def method_bars(ax, cells: list[dict], value: Callable[[dict], float | None],
+                spread: Callable[[dict], list[float]] | None = None, ylabel: str = "speed vs plain generate()") -> float:
+    """Grouped bars on `ax`: a group per cell (`batch` and `methods` keys, in order), a bar per method
+    but plain of value(row) (None: no bar), whiskers at spread(row) = [low, high]. Returns the bar width."""
+    names = [n for n in dict.fromkeys(n for c in cells for n in c["methods"]) if n != "plain"]
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        rows = [(i, c["methods"][name]) for i, c in enumerate(cells) if value(c["methods"].get(name, {})) is not None]
+        ys = [value(r) for _, r in rows]
+        whiskers = None if spread is None else [[y - spread(r)[0] for y, (_, r) in zip(ys, rows)],
+                                                [spread(r)[1] - y for y, (_, r) in zip(ys, rows)]]
+        ax.bar([i + j * width for i, _ in rows], ys, width, yerr=whiskers, capsize=3, label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"batch {c['batch']}" for c in cells])
+    ax.set_ylabel(ylabel)
+    return width

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from hf_specdec import _compat
 from hf_specdec.embedded import cpu_bf16_matmul
 from envs import encode, qwen_coder
-from harness import Results, arguments, generate, interleaved, parse  # eval/ is on sys.path as a script
+from harness import Results, arguments, forward_ms, generate, interleaved, parse  # eval/ is on sys.path
 from humaneval_data import load_problems, prompt_text
 from identity import compare_rows, counts, until_eos
 from methods import MethodFactory, parse_methods
@@ -49,22 +47,6 @@ SETTINGS = ("plain," + ",".join(f"fixed:{k}@draft" for k in range(9)) + ",fixed:
 # held out: not the demo's problems
 PROBLEMS = ["HumanEval/15", "HumanEval/31", "HumanEval/52", "HumanEval/60", "HumanEval/101", "HumanEval/124"]
 WIDTHS = (1, 2, 3, 5, 9)
-
-
-def forward_ms(model, input_ids: torch.Tensor, widths=WIDTHS, repeats: int = 5) -> dict[int, float]:
-    """Median ms of one forward of `w` tokens after the prompt `input_ids` [1, p], per width."""
-    cache = _compat.new_cache(model)
-    model(input_ids=input_ids, use_cache=True, **_compat.cache_kwargs(model, cache))
-    out = {}
-    for w in widths:
-        times = []
-        for _ in range(repeats + 1):                                   # the first is a warm-up
-            t = time.perf_counter()
-            model(input_ids=input_ids[:, -w:], use_cache=True, **_compat.cache_kwargs(model, cache))
-            times.append(time.perf_counter() - t)
-            _compat.crop(cache, w)
-        out[w] = round(1e3 * statistics.median(times[1:]), 2)
-    return out
 
 
 def step_phases(stats) -> dict:
@@ -89,8 +71,8 @@ def run_kernel(kernel: str, args, results: Results) -> None:
 def budget(target, draft, prompts: list[dict], args) -> dict:
     """One kernel choice's cell: forward times by width and every method's steps, over `prompts`
     (each {"input_ids": [1, p], "attention_mask": [1, p]})."""
-    forwards = {"target": forward_ms(target, prompts[0]["input_ids"]),
-                "draft": forward_ms(draft, prompts[0]["input_ids"])}
+    forwards = {"target": forward_ms(target, prompts[0]["input_ids"], WIDTHS),
+                "draft": forward_ms(draft, prompts[0]["input_ids"], WIDTHS)}
     logger.info("forwards (ms by width): %s", forwards)
 
     factory = MethodFactory(target, draft_model=draft)
