@@ -177,11 +177,9 @@ def main(argv=None):
     args = parse(parser, argv, ENVS)
     args.batch_sizes = ints(args.batch_sizes)
     try:
-        args.methods = parse_methods(args.methods)
+        args.methods = parse_methods(args.methods, first="plain")
     except ValueError as e:
         parser.error(f"--methods: {e}")
-    if args.methods[0].name != "plain":
-        parser.error("--methods must start with plain (the reference)")
 
     results = Results(Path(args.out_dir) / (args.name or args.envs.replace(",", "+")),
                       dict(vars(args), methods=[m.name for m in args.methods]), markdown, plot)

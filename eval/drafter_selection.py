@@ -129,8 +129,8 @@ def smollm2_env(args) -> Setup:
     model, tokenizer = target.model, target.tokenizer
     prompts = load_prompts(args.per_domain)
     return Setup(title="SmolLM2-135M fp32", model=model, tokenizer=tokenizer, prompts=prompts,
-               drafters=build_drafters(model, tokenizer, prompts, args.max_datastore_tokens),
-               pools={n: POOLS[n] for n in pools}, main=5)
+                 drafters=build_drafters(model, tokenizer, prompts, args.max_datastore_tokens),
+                 pools={n: POOLS[n] for n in pools}, main=5)
 
 
 def qwen_coder_env(args, onednn=False) -> Setup:
@@ -144,7 +144,7 @@ def qwen_coder_env(args, onednn=False) -> Setup:
                 "prose-ds": prose_datastore(tokenizer)}
     log_datastores(drafters)
     return Setup(title=f"{pair.title}, Spec-Bench questions", model=model, tokenizer=tokenizer,
-               prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
+                 prompts=prompts, drafters=drafters, pools={len(QWEN_POOL): QWEN_POOL}, main=len(QWEN_POOL))
 
 
 def build_drafters(model, tokenizer, prompts: list[dict], max_datastore_tokens: int) -> dict:

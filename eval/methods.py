@@ -99,13 +99,16 @@ def parse_method(name: str) -> Method:
     return Method(name, policy, drafter, int(k) if colon else None, static)
 
 
-def parse_methods(text: str) -> list[Method]:
-    """A comma-separated list of method names -> Methods; ValueError listing what exists."""
+def parse_methods(text: str, first: str | None = None) -> list[Method]:
+    """A comma-separated list of method names -> Methods; ValueError listing what exists, or where
+    the list does not start with `first` (a benchmark's reference, e.g. plain)."""
     methods = [parse_method(m.strip()) for m in text.split(",") if m.strip()]
     if not methods:
         raise ValueError(f"no method given; use {USAGE}")
     if len({m.name for m in methods}) != len(methods):
         raise ValueError("a method is listed twice")
+    if first is not None and methods[0].name != first:
+        raise ValueError(f"--methods must start with {first} (the reference)")
     return methods
 
 

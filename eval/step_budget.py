@@ -182,9 +182,10 @@ def main(argv=None):
             parser.error(f"--kernels: unknown {kernel!r}; known: {sorted(KERNELS)}")
     if not 1 <= args.problems <= len(PROBLEMS):
         parser.error(f"--problems must be in [1, {len(PROBLEMS)}]")
-    args.methods = parse_methods(args.methods)
-    if args.methods[0].name != "plain":
-        parser.error("--methods must start with plain (the reference)")
+    try:
+        args.methods = parse_methods(args.methods, first="plain")
+    except ValueError as e:
+        parser.error(str(e))
     name = args.name or ("bf16-matmul" if cpu_bf16_matmul() else "no-bf16-matmul")
     results = Results(Path(args.out_dir) / name, dict(vars(args), kernels=kernels,
                                                       methods=[m.name for m in args.methods]), markdown, plot)
