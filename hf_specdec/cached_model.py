@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import _compat
+from .rows import RowInts
 from .sequences import SequenceBatch
 from .slots import DynamicSlots, static_slots
 
@@ -55,11 +56,8 @@ class CachedModel:
         self.last_hidden = None
         self._holes = False
         self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
-        self.fed = torch.zeros(n, dtype=torch.long, device=batch.tokens.device)   # [n]
-        self.host_fed = [0] * n       # the same on the host while the callers say (else None)
-        if from_first_real:
-            self.fed = batch.real_start(batch.active).to(self.fed.device)
-            self.host_fed = None
+        # [n] buffer tokens in the cache (on the buffer's device)
+        self.fed = batch.real_starts[batch.active] if from_first_real else RowInts.full(n, 0, batch.tokens.device)
 
     def release(self, batch: SequenceBatch) -> None:
         """Drop the cache and its memory; every row catches up from its first token next time."""
@@ -84,33 +82,24 @@ class CachedModel:
             self._holes = not bool(self.slot_mask.all())
         return self._holes
 
-    def lag(self, batch: SequenceBatch, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens each active row has not fed yet [n]; lengths: the active rows' [n], if at hand."""
-        return (batch.lengths[batch.active] if lengths is None else lengths) - self.fed
+    def lag(self, batch: SequenceBatch) -> RowInts:
+        """Tokens each active row has not fed yet [n]."""
+        return batch.active_lengths() - self.fed
 
-    def host_lag(self, host_lengths: list[int] | None) -> list[int] | None:
-        """`lag` on the host, from the active rows' lengths there; None if either side is unknown."""
-        if host_lengths is None or self.host_fed is None:
-            return None
-        return [length - fed for length, fed in zip(host_lengths, self.host_fed)]
-
-    def pending(self, batch: SequenceBatch, end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def pending(self, batch: SequenceBatch, end: RowInts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens each row has not fed yet (up to `end` [n], default its length), right-aligned with
         holes on the left, and mark them fed.
 
         Returns (tokens [n, width], real [n, width]); width = the largest lag (>= 1 for every row).
         """
-        rows = batch.active
-        host_end = batch.active_host_lengths() if end is None else None
-        end = batch.lengths[rows] if end is None else end
-        lag = end - self.fed
-        host_lag = self.host_lag(host_end)
-        if host_lag is not None:
-            width, least_end = max(host_lag), min(host_end)
+        rows, end = batch.active.tensor, batch.active_lengths() if end is None else end
+        lags = end - self.fed
+        if lags.host is not None:
+            width, least_end = lags.max(), end.min()
         else:
-            width, least_end = torch.stack([lag.max(), end.min()]).tolist()   # one host read
+            width, least_end = torch.stack([lags.tensor.max(), end.tensor.min()]).tolist()   # one host read
         near_prompt = least_end - width < batch.prompt_len          # (decoding steps are past every prompt)
-        self.fed, self.host_fed = end.clone(), host_end
+        self.fed, lag, end = end.clone(), lags.tensor, end.tensor
         if width == 1 and not near_prompt:         # steady decoding: each row's last token (fewer ops)
             return batch.tokens[rows, end - 1][:, None], (lag > 0)[:, None]       # rows without lag: a hole
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
@@ -180,15 +169,15 @@ class CachedModel:
         masks = window_masks(self.model, slots, positions, self.window)
         return masks if self.full_layers_too else masks["sliding_attention"]
 
-    def rollback(self, spec_start: int, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
-        """Of the speculative slots from `spec_start` on, row b keeps its first `keep[b]` (host_keep:
-        the same numbers on the host, if the caller has them: then nothing is read from the device).
+    def rollback(self, spec_start: int, kept: RowInts) -> None:
+        """Of the speculative slots from `spec_start` on, row b keeps its first `kept[b]` (known on
+        the host: then nothing is read from the device).
 
         The kept tokens are the accepted drafts (already written to the buffer): they count as fed.
         """
         if spec_start == self.num_slots:      # nothing speculative (k = 0): nothing to undo
             return
-        keep = keep.to(self.device)
+        keep = kept.tensor.to(self.device)
         slot = torch.arange(self.num_slots - spec_start, device=self.device)
         spec = self.slot_mask[:, spec_start:]
         drop = spec & (slot[None, :] >= keep[:, None])
@@ -198,17 +187,13 @@ class CachedModel:
         if self.keeps_hidden:       # the last kept slot: the pending token's (spec_start - 1) + keep
             column = spec_start - 1 + keep - self._hidden_from
             self.last_hidden = self._hidden[torch.arange(len(keep), device=keep.device), column]
-        self.fed += keep.to(self.fed.device)
-        if host_keep is None:
-            self.host_fed = None
-        elif self.host_fed is not None:
-            self.host_fed = [fed + kept for fed, kept in zip(self.host_fed, host_keep)]
+        self.fed = self.fed + kept
         # slots past spec_start + the most kept are holes in every row
-        self._crop_holes(None if host_keep is None else spec_start + max(host_keep, default=0))
+        self._crop_holes(None if kept.host is None else spec_start + kept.max())
 
     def truncate(self, ends: torch.Tensor) -> None:
         """Forget row b's fed tokens from buffer position ends[b] on (its last real slots)."""
-        drop = (self.fed - ends).clamp(min=0)                                    # [n]
+        drop = (self.fed.tensor - ends).clamp(min=0)                             # [n]
         if not bool(drop.any()):
             return
         slots = self.slot_mask
@@ -217,8 +202,7 @@ class CachedModel:
         slots &= ~kill
         self._holes = None
         self.num_real -= kill.sum(1)
-        self.fed -= drop
-        self.host_fed = None
+        self.fed = RowInts(self.fed.tensor - drop)
         self._crop_holes()
 
     def _crop_holes(self, holes_from: int | None = None) -> None:
@@ -259,20 +243,18 @@ class CachedModel:
         self.slots.append(other.slots)
         self._holes = None
         self.num_real = torch.cat([self.num_real, other.num_real])
-        self.fed = torch.cat([self.fed, other.fed])
-        self.host_fed = None
+        self.fed = self.fed.cat(other.fed)
         self.forwards += other.forwards
 
-    def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
+    def select_rows(self, keep: RowInts) -> None:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
-        on_device = keep.to(self.device)
+        on_device = keep.tensor.to(self.device)
         self.slots.select_rows(on_device)
         self.num_real = self.num_real[on_device]
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[on_device]
         self._holes = None
         self.fed = self.fed[keep]
-        self.host_fed = None if host_keep is None or self.host_fed is None else [self.host_fed[i] for i in host_keep]
         if not self.static:      # (a static cache keeps its slots; holes there cost no memory)
             self._crop_holes()   # to no slots at all when no rows are left: joiners may `append`
 

@@ -22,9 +22,11 @@ import weakref
 
 import torch
 
-# widths a compiled forward takes: k + 1 verified tokens for draft lengths k = 1, 2, 4, 6, 8 (and a
-# one-token step, padded to 2), and 17 for a drafter catching up after speculation was off
-WIDTH_TIERS = (2, 3, 5, 7, 9, 17)
+from .tiers import SPEC_TIERS
+
+# widths a compiled forward takes: k + 1 verified tokens for each tier's k (a one-token step pads
+# to k = 1's 2), and 17 for a drafter catching up after speculation was off
+WIDTH_TIERS = (*(k + 1 for k in SPEC_TIERS if k), 17)
 MIN_ROWS = 2
 # the first calls of a concrete shape: under CUDA graph trees a warm-up run, then the recording
 WARMUP_CALLS = 2

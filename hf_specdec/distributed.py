@@ -113,7 +113,6 @@ class RankZeroPolicy(SpecPolicy):
     def __init__(self, policy: SpecPolicy, ranks: Ranks):
         self.policy, self.ranks = policy, ranks
         self.selector, self.length = policy.selector, policy.length
-        self._feedback = (None, False)          # (step, whether rank 0's selector scores the drafters)
 
     def begin(self, ctx: StepContext) -> None:
         self.policy.begin(ctx)
@@ -124,18 +123,11 @@ class RankZeroPolicy(SpecPolicy):
         if self.ranks.decides:
             decision = self.policy.choose(ctx)
             drafters = [decision.drafter] * n if isinstance(decision.drafter, int) else list(decision.drafter)
-            mine = [decision.length, int(self.policy.wants_feedback(ctx.step)), *drafters]
+            mine = [decision.k, int(decision.feedback), *drafters]
             if len(mine) != n + 2:      # a bad selector's answer: -1s, which the loop refuses on every rank
-                mine = [decision.length, 0] + [-1] * n
-        length, feedback, *drafters = self.ranks.share(mine, n + 2)
-        self._feedback = (ctx.step, bool(feedback))
-        return Decision(drafter=drafters, length=length)
-
-    def wants_feedback(self, step: int) -> bool:
-        asked, feedback = self._feedback
-        if step == asked:                       # nothing is observed between a step's choice and its feedback
-            return feedback
-        return bool(self.ranks.share([int(self.policy.wants_feedback(step))] if self.ranks.decides else None, 1)[0])
+                mine = [decision.k, 0] + [-1] * n
+        k, feedback, *drafters = self.ranks.share(mine, n + 2)
+        return Decision(drafter=drafters, k=k, feedback=bool(feedback))
 
     def trim(self, lengths: list[int], confidences: list[list[float]]) -> list[int]:
         if self.length.verify_lengths is None:

@@ -48,12 +48,12 @@ class TokenSampler:
         if not self.processors:
             return logits
         n, m, vocab = logits.shape
-        rows = batch.active
+        rows = batch.active.tensor
         if self._position_free:
             dummy = batch.tokens[rows][:, :1].repeat_interleave(m, 0)
             return self.processors(dummy, logits.reshape(n * m, vocab)).view(n, m, vocab)
         out = torch.empty_like(logits)
-        prefix = batch.lengths[rows] + offset                                  # [n]
+        prefix = batch.lengths.tensor[rows] + offset                                  # [n]
         distinct = set(prefix.tolist())                      # the one host read: how many groups
         full = logits.new_zeros(batch.tokens.shape[0], vocab)  # all rows: see below
         for j in range(m):

@@ -25,8 +25,8 @@ def score_drafters(drafters: list[Drafter], batch: SequenceBatch, start: torch.T
 
     target_scores: [n, >= w, vocab] processed target scores; column j follows start + j.
     """
-    rows = batch.active
-    count = batch.lengths[rows] - start                                   # [n]
+    rows = batch.active.tensor
+    count = batch.lengths.tensor[rows] - start                                   # [n]
     width = int(count.max())
     valid = torch.arange(width, device=count.device)[None, :] < count[:, None]   # [n, w]
     if do_sample:

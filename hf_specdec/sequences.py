@@ -10,6 +10,8 @@ import copy
 
 import torch
 
+from .rows import RowInts
+
 
 class SequenceBatch:
     GROWTH = 64  # the buffer grows in steps of this many positions, as rows get longer
@@ -28,40 +30,30 @@ class SequenceBatch:
         self.tokens = torch.full((batch, prompt_len + self.GROWTH), pad_token_id,
                                  dtype=torch.long, device=device)      # [batch, capacity]
         self.tokens[:, :prompt_len] = input_ids
-        self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=device)  # [batch]
+        # each row's length, kept on the host too by the decoding loop (it learns them from its
+        # one read a step), so that planning a step reads nothing from the device
+        self.lengths = RowInts.full(batch, prompt_len, device)         # [batch]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         self.prompt_mask = attention_mask.bool()                       # [batch, prompt_len]
-        self._real_start = prompt_len - self.prompt_mask.sum(1)         # [batch]: first real token
+        real_start = prompt_len - self.prompt_mask.sum(1)
+        self.real_starts = RowInts(real_start, real_start.tolist())    # [batch]: first real token
         # rows still decoding (indices into the full batch); models hold caches for these only
-        self.active = torch.arange(batch, device=device)               # [n_active]
-        # the same numbers on the host, kept by the decoding loop (it learns them from its one read
-        # a step), so that planning a step reads nothing from the device; None where unknown (a view)
-        self.host_lengths: list[int] | None = [prompt_len] * batch
-        self.host_active: list[int] | None = list(range(batch))
-        self.host_real_start: list[int] = self._real_start.tolist()
+        self.active = RowInts(torch.arange(batch, device=device), list(range(batch)))   # [n_active]
 
-    def view(self, active: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> "SequenceBatch":
+    def view(self, active: RowInts | None = None, lengths: RowInts | None = None) -> "SequenceBatch":
         """The same buffer (token writes go through) with other active rows [m] and/or row lengths
         [batch]: what part of a step acts on (a hierarchy's inner chain, rows joining a running
         batch), leaving this batch's own unchanged. Short-lived: it cannot grow the buffer (`reserve`)."""
         out = copy.copy(self)
         out.is_view = True
-        if active is not None:
-            out.active, out.host_active = active, None
-        if lengths is not None:
-            out.lengths, out.host_lengths = lengths, None
+        out.active = self.active if active is None else active
+        out.lengths = self.lengths if lengths is None else lengths
         return out
 
-    def set_active(self, active: torch.Tensor, host_active: list[int]) -> None:
-        """The rows still decoding [n], on the device and the host."""
-        self.active, self.host_active = active, host_active
-
-    def active_host_lengths(self) -> list[int] | None:
-        """The active rows' lengths on the host, or None where this batch does not know them."""
-        if self.host_lengths is None or self.host_active is None:
-            return None
-        return [self.host_lengths[row] for row in self.host_active]
+    def active_lengths(self) -> RowInts:
+        """The active rows' lengths [n]."""
+        return self.lengths[self.active]
 
     @property
     def capacity(self) -> int:
@@ -75,7 +67,7 @@ class SequenceBatch:
 
     def real_start(self, rows: torch.Tensor) -> torch.Tensor:
         """Index of the first non-padding token of each row in `rows`: [n]."""
-        return self._real_start[rows]
+        return self.real_starts.tensor[rows]
 
     def write(self, rows: torch.Tensor, start: torch.Tensor, values: torch.Tensor) -> None:
         """tokens[rows[i], start[i] + j] = values[i, j] for all j: [n, w]."""
@@ -85,7 +77,7 @@ class SequenceBatch:
     def reserve(self, width: int, longest: int | None = None) -> None:
         """Make room for `width` tokens past the longest row (drafts are written as scratch);
         longest: the longest row's length, if known."""
-        short = (int(self.lengths.max()) if longest is None else longest) + width - self.capacity
+        short = (self.lengths.max() if longest is None else longest) + width - self.capacity
         if short > 0:
             if self.is_view:    # a new buffer would stay with the view: the batch would miss its writes
                 raise RuntimeError("SequenceBatch.reserve on a view: reserve on the batch it views first")
@@ -93,25 +85,24 @@ class SequenceBatch:
 
     def clear_scratch(self, rows: torch.Tensor) -> None:
         """Reset everything past each row's end to padding (finished rows then read as generate()'s)."""
-        past_end = torch.arange(self.capacity, device=rows.device)[None, :] >= self.lengths[rows, None]
+        past_end = torch.arange(self.capacity, device=rows.device)[None, :] >= self.lengths.tensor[rows, None]
         self.tokens[rows] = self.tokens[rows].masked_fill(past_end, self.pad_token_id)
 
-    def refill(self, rows: torch.Tensor, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> None:
+    def refill(self, rows: RowInts, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> None:
         """Start new prompts [m, p] (p <= prompt_len) in rows that are not active (continuous
         batching reuses finished rows): left-padded to prompt_len, as if they had been there."""
         width = input_ids.shape[1]
         if width > self.prompt_len:
             raise ValueError(f"a prompt of {width} tokens does not fit rows of {self.prompt_len}")
-        self.tokens[rows] = self.pad_token_id
-        self.tokens[rows, self.prompt_len - width: self.prompt_len] = input_ids
-        self.prompt_mask[rows] = False
-        self.prompt_mask[rows, self.prompt_len - width:] = attention_mask.bool()
-        self._real_start[rows] = self.prompt_len - self.prompt_mask[rows].sum(1)
+        index = rows.tensor
+        self.tokens[index] = self.pad_token_id
+        self.tokens[index, self.prompt_len - width: self.prompt_len] = input_ids
+        self.prompt_mask[index] = False
+        self.prompt_mask[index, self.prompt_len - width:] = attention_mask.bool()
+        real_start = self.prompt_len - self.prompt_mask[index].sum(1)
+        self.real_starts[rows] = RowInts(real_start, real_start.tolist())
         self.lengths[rows] = self.prompt_len
-        self.host_real_start = self._real_start.tolist()
-        for row in rows.tolist():
-            self.host_lengths[row] = self.prompt_len
 
     def output(self) -> torch.LongTensor:
         """[batch, prompt_len + longest row's new tokens], rows ended early padded as generate() does."""
-        return self.tokens[:, : int(self.lengths.max())].clone()
+        return self.tokens[:, : int(self.lengths.tensor.max())].clone()

@@ -10,8 +10,8 @@ class StepRecord:
 
     batch_size: int            # active rows in this step
     drafters: list[int]        # per row: index into assistant_models; -1 = no speculation (k = 0)
-    k: int                     # draft length asked of the drafters (the policy's choice, clamped)
-    k_chosen: int = -1         # the policy's choice before the loop clamped it to the room left (-1: = k)
+    k: int                     # the step's draft length (the policy's, within the room left)
+    decided_k: int = -1        # the policy's `Decision.k` before the room left cut it (-1: = k)
     proposed: list[int]        # drafts actually proposed per row (<= k)
     accepted: list[int]        # drafts accepted per row
     emitted: list[int]         # tokens appended per row (accepted + 1, cut at a stop; without an
@@ -35,13 +35,13 @@ class StepRecord:
     warmup: bool = False
 
     @classmethod
-    def of_step(cls, ctx, k: int, k_chosen: int, proposed: list[int], accepted: list[int],
+    def of_step(cls, ctx, k: int, decided_k: int, proposed: list[int], accepted: list[int],
                 emitted: list[int] | None = None, drafters: list[int] | None = None, **times) -> "StepRecord":
         """The record of the step planned from `ctx` (a StepContext): what every executor of a step
         (the loop, the simulator, a hierarchy's inner cycle, Transformers' assisted loop) observes.
         emitted: accepted + 1 per row unless cut; drafters: drafter 0 for every row, -1 when k = 0."""
         return cls(batch_size=ctx.batch_size, drafters=drafters or [0 if k else -1] * ctx.batch_size, k=k,
-                   k_chosen=k_chosen, proposed=proposed, accepted=accepted,
+                   decided_k=decided_k, proposed=proposed, accepted=accepted,
                    emitted=[a + 1 for a in accepted] if emitted is None else emitted,
                    rows=list(ctx.rows), step=ctx.step, lag=ctx.max_lag, **{"draft_s": 0.0, "verify_s": 0.0, **times})
 

@@ -44,9 +44,9 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
         self.ctx = ctx
         decision = self.policy.choose(ctx)
         self.drafter = decision.drafter if isinstance(decision.drafter, int) else decision.drafter[0]
-        self.k_chosen = decision.length
-        self.k = min(decision.length, max(self.max_length - length - 1, 0))
-        self.scoring = len(self.children) > 1 and self.policy.wants_feedback(self.step)
+        self.decided_k = decision.k
+        self.k = min(decision.k, max(self.max_length - length - 1, 0))
+        self.scoring = len(self.children) > 1 and decision.feedback
         self.start, self.candidates, self.seconds = length, {}, {}
         if self.k:
             for j in range(len(self.children)) if self.scoring else [self.drafter]:
@@ -62,7 +62,7 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
         drafts = {j: ids[0, self.start:] for j, (ids, _) in self.candidates.items()}
         proposed = len(drafts.get(self.drafter, ()))
         record = StepRecord.of_step(
-            self.ctx, self.k, self.k_chosen, [proposed], [num_matches], drafters=[self.drafter if proposed else -1],
+            self.ctx, self.k, self.decided_k, [proposed], [num_matches], drafters=[self.drafter if proposed else -1],
             draft_s=self.seconds.get(self.drafter, 0.0), verify_s=time.perf_counter() - self.verify_start,
             drafter_s={self.drafter: self.seconds[self.drafter]} if proposed else {},
             gammas={0: self._gammas(drafts, input_ids[0, self.start:])} if self.scoring and drafts else None,

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .rows import RowInts
+
 if TYPE_CHECKING:
     from .cached_model import CachedModel
     from .sampling import TokenSampler
@@ -22,16 +24,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class VerifyResult:
-    num_accepted: torch.Tensor  # [n] accepted drafts per row (0..draft_lens)
+    num_accepted: torch.Tensor  # [n] accepted drafts per row (0..draft_counts)
     next_tokens: torch.Tensor   # [n] replacement (after a rejection) or bonus token
 
 
-def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: torch.Tensor,
+def verify(draft_tokens: torch.Tensor, draft_counts: torch.Tensor, target_scores: torch.Tensor,
            draft_probs: torch.Tensor | None, do_sample: bool,
            generator: torch.Generator | None = None, ensemble_weight: float | None = None) -> VerifyResult:
     """Accept a prefix of each row's drafts.
 
-    draft_tokens [n, k]; draft_lens [n] (row b proposes its first draft_lens[b] tokens);
+    draft_tokens [n, k]; draft_counts [n] (row b proposes its first draft_counts[b] tokens);
     target_scores [n, k+1, vocab], processed; draft_probs [n, k, vocab] or None (point mass).
     ensemble_weight w (Transformers' `assistant_ensemble_weight`, DIVERSE's static ensemble; needs
     draft_probs): drafts are verified against v = w p + (1 - w) q, which is lossy: greedy accepts
@@ -44,9 +46,9 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
         scores = target_scores[:, 0]
         next_tokens = scores.argmax(-1) if not do_sample else \
             torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
-        return VerifyResult(torch.zeros_like(draft_lens), next_tokens)
+        return VerifyResult(torch.zeros_like(draft_counts), next_tokens)
     rows = torch.arange(n, device=draft_tokens.device)
-    proposed = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lens[:, None]  # [n, k]
+    proposed = torch.arange(k, device=draft_tokens.device)[None, :] < draft_counts[:, None]  # [n, k]
 
     if not do_sample:
         best = target_scores.argmax(-1)                                    # [n, k+1]
@@ -57,7 +59,7 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
         num_accepted = ((draft_tokens == judge) & proposed).long().cumprod(1).sum(1)
         next_tokens = best[rows, num_accepted]
         if ensemble_weight is not None:      # at a mismatch the ensemble's token, else the bonus argmax p
-            mismatch = num_accepted < draft_lens
+            mismatch = num_accepted < draft_counts
             next_tokens = torch.where(mismatch, judge[rows, num_accepted.clamp(max=k - 1)], next_tokens)
         return VerifyResult(num_accepted, next_tokens)
 
@@ -74,7 +76,7 @@ def verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_scores: 
     num_accepted = ok.long().cumprod(1).sum(1)
 
     p_next = target_probs[rows, num_accepted]                              # [n, vocab]
-    rejected = num_accepted < draft_lens
+    rejected = num_accepted < draft_counts
     at = num_accepted.clamp(max=k - 1)
     if draft_probs is None:
         q_next = torch.zeros_like(p_next).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
@@ -96,13 +98,13 @@ class Verified:
     spec_start: int        # the model's first slot of the drafts (`CachedModel.rollback`)
 
 
-def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor, draft_lens: torch.Tensor,
+def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor, draft_counts: torch.Tensor,
                   draft_probs: torch.Tensor | None, sampler: TokenSampler, head: torch.Tensor | None = None,
                   rollback: bool = True, ensemble: bool = False) -> Verified:
     """Verify drafts with `model`: the target of a step, or a hierarchy's intermediate model.
 
     One forward over each active row's tokens not yet fed up to its length and its drafts [n, w],
-    already written at its end (row b proposes its first draft_lens[b]); `verify`; with `rollback`
+    already written at its end (row b proposes its first draft_counts[b]); `verify`; with `rollback`
     the model's cache keeps each row's accepted drafts and forgets the rest (else the caller does,
     from `spec_start`, when it has read the counts). head: [n, vocab] logits of the position at
     each row's end, when the model has fed every row up to there: only the drafts are fed.
@@ -110,7 +112,7 @@ def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor
     hierarchy's intermediate stays lossless).
     """
     width = drafts.shape[1]
-    draft_real = torch.arange(width, device=draft_lens.device)[None, :] < draft_lens[:, None]
+    draft_real = torch.arange(width, device=draft_counts.device)[None, :] < draft_counts[:, None]
     if head is not None:
         model.reserve(width)
         spec_start = model.num_slots
@@ -125,8 +127,8 @@ def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor
             pending, real = torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1)
         logits = model.forward(pending, real, width + 1)
     scores = sampler.scores(batch, logits)                            # [n, w+1, vocab]
-    result = verify(drafts, draft_lens, scores, draft_probs, sampler.do_sample, sampler.generator,
+    result = verify(drafts, draft_counts, scores, draft_probs, sampler.do_sample, sampler.generator,
                     sampler.ensemble_weight if ensemble else None)
     if rollback:
-        model.rollback(spec_start, result.num_accepted)
+        model.rollback(spec_start, RowInts(result.num_accepted))
     return Verified(result, scores, logits, spec_start)

@@ -9,7 +9,7 @@ import hf_specdec
 from hf_specdec.policies import UCBSpec, resolve_policy
 from hf_specdec.verify import verify
 from helpers import HostReads, assert_same
-from hf_specdec.generate import DecodingLoop
+from hf_specdec.loop import DecodingLoop
 from hf_specdec.testing import build, layer_skip_pair, prompts
 
 

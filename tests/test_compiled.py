@@ -191,7 +191,7 @@ def test_steps_that_compiled_are_marked_and_no_policy_cost():
 def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch):
     """On a GPU the one host read waits for the drafting and verifying that the clock's marks
     already time: overhead_s must not count it again (emulated: a read that takes 50 ms)."""
-    loop = importlib.import_module("hf_specdec.generate")     # (hf_specdec.generate is the function)
+    loop = importlib.import_module("hf_specdec.loop")
     read = loop.host_read
 
     def slow(numbers):

@@ -8,6 +8,7 @@ import torch
 import hf_specdec
 from helpers import Scripted
 from hf_specdec.cached_model import CachedModel
+from hf_specdec.rows import RowInts
 from hf_specdec.sequences import SequenceBatch
 from hf_specdec.serving import Engine, Request
 from hf_specdec.testing import build, noisy_copy
@@ -115,12 +116,12 @@ def test_rows_leaving_free_their_cache_slots(models):
     try:
         runner.forward(*runner.pending(batch), keep=1)
         assert runner.num_slots == 12 and runner.holes and masks[-1] is not None    # the padding is masked
-        batch.active = batch.active[1:]
-        runner.select_rows(torch.tensor([1]))
+        batch.active = RowInts.of([1], "cpu")
+        runner.select_rows(RowInts.of([1], "cpu"))
         assert runner.num_slots == 3                                 # only the short row's own slots
         assert not runner.holes                                      # no holes left: no mask, as generate()
         batch.tokens[1, 12] = 8
-        batch.lengths[1] += 1
+        batch.lengths = batch.lengths + RowInts.of([0, 1], "cpu")
         logits = runner.forward(*runner.pending(batch), keep=1)[0, -1]
         assert masks[-1] is None
     finally:
@@ -138,12 +139,10 @@ def test_pending_leaves_rows_without_lag_as_holes(models):
     runner = CachedModel(target)
     runner.reset(batch)
     batch.tokens[:, 4] = 9
-    batch.lengths += 1
-    batch.host_lengths = batch.lengths.tolist()                 # (the loop keeps both copies)
+    batch.lengths = batch.lengths + 1
     runner.forward(*runner.pending(batch), keep=1)              # both rows fed up to length 5
     batch.tokens[0, 5] = 3
-    batch.lengths[0] += 1                                      # row 0 lags one token, row 1 none
-    batch.host_lengths = batch.lengths.tolist()
+    batch.lengths = batch.lengths + RowInts.of([1, 0], "cpu")   # row 0 lags one token, row 1 none
     tokens, real = runner.pending(batch)
     assert tokens[0].tolist() == [3] and real.tolist() == [[True], [False]]
 
@@ -164,8 +163,8 @@ def test_a_view_shares_the_buffer_and_cannot_grow_it():
     from a view would leave the batch without those writes, so it is refused."""
     ids = torch.tensor([[5, 6, 7], [4, 5, 6]])
     batch = SequenceBatch(ids, torch.ones_like(ids), max_length=200, pad_token_id=0)
-    view = batch.view(active=torch.tensor([1]), lengths=batch.lengths + 2)
-    view.write(view.active, view.lengths[view.active], torch.tensor([[9]]))
+    view = batch.view(active=RowInts.of([1], "cpu"), lengths=batch.lengths + 2)
+    view.write(view.active.tensor, view.active_lengths().tensor, torch.tensor([[9]]))
     assert batch.tokens[1, 5] == 9 and batch.lengths.tolist() == [3, 3] and batch.active.tolist() == [0, 1]
     view.reserve(4)                                             # fits: nothing to grow
     with pytest.raises(RuntimeError, match="reserve on a view"):

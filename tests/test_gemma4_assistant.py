@@ -41,10 +41,10 @@ def gemma4_pair(seed=0, attention="sdpa"):
 
 
 class Recording(TargetStatesDrafter):
-    """The drafter, keeping each proposal's tokens and lengths."""
-    def propose(self, batch, k, controller=None):
-        proposal = super().propose(batch, k, controller)
-        self.proposals = getattr(self, "proposals", []) + [(proposal.tokens.clone(), proposal.lengths.clone())]
+    """The drafter, keeping each proposal's tokens and counts."""
+    def propose(self, batch, k, continue_drafting=None):
+        proposal = super().propose(batch, k, continue_drafting)
+        self.proposals = getattr(self, "proposals", []) + [(proposal.tokens.clone(), proposal.counts.tensor.clone())]
         return proposal
 
 

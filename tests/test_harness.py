@@ -8,7 +8,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 import hf_specdec
-from hf_specdec.generate import DecodingLoop
+from hf_specdec.loop import DecodingLoop
 from hf_specdec.testing import exact_cheap_pair
 
 ROOT = Path(__file__).resolve().parent.parent

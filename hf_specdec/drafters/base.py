@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from ..rows import RowInts
 from ..sampling import TokenSampler
 from ..sequences import SequenceBatch
 
@@ -22,15 +23,14 @@ class Prediction:
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor              # [n, k] draft tokens of the active rows
-    lengths: torch.Tensor             # [n] row b proposes tokens[b, :lengths[b]]
-    probs: torch.Tensor | None = None  # [n, k, vocab] processed draft distributions; None = point mass
-    confidence: torch.Tensor | None = None  # [n, k] drafter's probability of each token; None = 1
-    host_lengths: list[int] | None = None   # `lengths` on the host, where the drafter has them
+    tokens: torch.Tensor              # [n, width] draft tokens of the active rows (width <= k)
+    counts: RowInts                   # [n] row b proposes tokens[b, :counts[b]]
+    probs: torch.Tensor | None = None  # [n, width, vocab] processed draft distributions; None = point mass
+    confidence: torch.Tensor | None = None  # [n, width] drafter's probability of each token; None = 1
 
 
 # A length policy's `continue_drafting`: confidences [row][draft] so far -> per row, draft more?
-Controller = Callable[[list[list[float]]], list[bool]]
+ContinueDrafting = Callable[[list[list[float]]], list[bool]]
 
 
 class Drafter:
@@ -56,25 +56,18 @@ class Drafter:
     def follow(self, target) -> None:
         """The loop's target (a `CachedModel`), before `begin`: for a drafter that reads its states."""
 
-    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
-        """Up to k drafts per active row; a drafter with confidences consults `controller` after
-        each drafted token (its argument, the confidences so far [row][draft], may grow after the
-        call) and stops rows (or the whole drafting) early."""
+    def propose(self, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None = None) -> Proposal:
+        """Up to k drafts per active row; a drafter with confidences consults `continue_drafting`
+        after each drafted token (its argument, the confidences so far [row][draft], may grow after
+        the call) and stops rows (or the whole drafting) early."""
         raise NotImplementedError
 
-    def accepted(self, num_accepted: torch.Tensor, host_accepted: list[int] | None = None) -> None:
-        """Row b accepted the first num_accepted[b] tokens of the last proposal (host_accepted: the
-        same on the host, when the loop has read them)."""
+    def accepted(self, num_accepted: RowInts) -> None:
+        """Row b accepted the first num_accepted[b] tokens of the last proposal."""
 
-    def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
-        """Tokens each active row must feed before it drafts [n], given the rows' lengths [n] (a
-        tensor, so the loop reads every row's number in one host sync); None: it never lags."""
+    def lag(self, batch: SequenceBatch) -> RowInts | None:
+        """Tokens each active row must feed before it drafts [n]; None: it never lags."""
         return None
-
-    def host_lag(self, host_lengths: list[int]) -> list[int] | None:
-        """`lag` on the host from the rows' lengths there, without reading the device; None where
-        the drafter does not know it there."""
-        return [0] * len(host_lengths)
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """Predictions for the verified positions start[b] .. lengths[b]-1 of each active row."""
@@ -95,7 +88,7 @@ class Drafter:
         """Forget whatever was fed past buffer position ends[b] of each active row (a drafter
         inside a hierarchy ran ahead of what the target accepted)."""
 
-    def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
+    def select_rows(self, keep: RowInts) -> None:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
     def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
@@ -122,22 +115,22 @@ class LookupDrafter(Drafter):
     def _on_host(batch: SequenceBatch, *columns: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
         """The active rows' tokens [n, longest] on the host, and their lengths and `columns` ([n]
         each) as lists: a lookup is host work, so it reads the rows once, not at every comparison."""
-        rows = batch.active
-        numbers = torch.stack([batch.lengths[rows], *columns]).tolist()
+        rows = batch.active.tensor
+        numbers = torch.stack([batch.lengths.tensor[rows], *columns]).tolist()
         return batch.tokens[rows, :max(numbers[0])].cpu(), numbers
 
-    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
-        host, (ends, starts) = self._on_host(batch, batch.real_start(batch.active))
+    def propose(self, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None = None) -> Proposal:
+        host, (ends, starts) = self._on_host(batch, batch.real_start(batch.active.tensor))
         out = torch.zeros(len(ends), k + 1, dtype=torch.long)             # [n, k drafts + their count]
         for i, (start, end) in enumerate(zip(starts, ends)):
             continuation = self.continuation(host[i, start:end], k)
             out[i, : len(continuation)] = continuation
             out[i, k] = len(continuation)
         out = out.to(batch.tokens.device)                                 # one copy back
-        return Proposal(out[:, :k], out[:, k], None)
+        return Proposal(out[:, :k], RowInts(out[:, k]), None)
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
-        host, (ends, firsts, begins) = self._on_host(batch, batch.real_start(batch.active), start)
+        host, (ends, firsts, begins) = self._on_host(batch, batch.real_start(batch.active.tensor), start)
         count = [end - begin for begin, end in zip(begins, ends)]
         tokens = torch.zeros(len(count), max(count), dtype=torch.long)
         valid = torch.zeros_like(tokens)

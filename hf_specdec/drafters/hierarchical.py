@@ -20,10 +20,11 @@ import torch
 
 from .. import compiled
 from ..policies import FixedLength, LengthPolicy, StepContext
+from ..rows import RowInts
 from ..sequences import SequenceBatch
 from ..stats import StepRecord
 from ..timing import PhaseClock
-from .base import Controller, Drafter, Prediction, Proposal
+from .base import ContinueDrafting, Drafter, Prediction, Proposal
 from .model import ModelDrafter
 
 
@@ -81,14 +82,14 @@ class HierarchicalDrafter(Drafter):
         self._cycle = 0
         self.clock = PhaseClock(self.upper.runner.device)
 
-    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
+    def propose(self, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None = None) -> Proposal:
         # a cycle writes at most k tokens per row past what the row has produced so far
         batch.reserve(self.cycles * k + 1)
-        rows = batch.active
-        start = batch.lengths[rows].clone()                                 # [n]
+        rows = batch.active.tensor
+        start = batch.active_lengths().tensor.clone()                       # [n]
         produced = torch.zeros_like(start)                                  # [n] tokens made so far
-        lengths = batch.lengths.clone()
-        chain = batch.view(lengths=lengths)       # the chain's row ends; the batch's stay at `start`
+        lengths = batch.lengths.tensor.clone()
+        chain = batch.view(lengths=RowInts(lengths))   # the chain's row ends; the batch's stay at `start`
         logits_out, scores_out = [], []                                     # per cycle: [n, w+1, vocab]
         columns = []                                                        # per cycle: [n, w+1] output column
         for _ in range(self.cycles):
@@ -113,38 +114,38 @@ class HierarchicalDrafter(Drafter):
         tokens = batch.tokens[rows[:, None], start[:, None] + torch.arange(width, device=start.device)[None, :]]
         dist = self.sampler.probs(scores)
         confidence = dist.gather(-1, tokens[..., None]).squeeze(-1)
-        return Proposal(tokens, produced.clamp(max=k), dist if self.sampler.keeps_probs else None, confidence)
+        return Proposal(tokens, RowInts(produced.clamp(max=k)), dist if self.sampler.keeps_probs else None, confidence)
 
     def _context(self, batch: SequenceBatch) -> StepContext:
-        rows = batch.active
+        rows = batch.active.tensor
         return StepContext(self._cycle, len(rows), 1, rows.tolist(),
-                           context_tokens=int((batch.lengths[rows] - batch.real_start(rows)).sum()))
+                           context_tokens=int((batch.lengths.tensor[rows] - batch.real_start(rows)).sum()))
 
     def _cycle_once(self, batch: SequenceBatch, ctx: StepContext, kd: int):
         """Draft kd tokens per row (the inner length policy's choice from `ctx`), verify them with
         the intermediate, append accepted + 1 to the buffer. Returns the intermediate's logits and processed scores [n, w+1, vocab] for the
         positions from the row's length on, and the accepted counts [n]."""
-        rows = batch.active
-        length = batch.lengths[rows]
+        rows = batch.active.tensor
+        length = batch.lengths.tensor[rows]
         c0, warmups = self.clock.mark(), compiled.warmup_calls()
         if kd:
             proposal = self.lower.propose(batch, kd)
-            lens = proposal.lengths
-            width = int(lens.max())
+            counts = proposal.counts.tensor
+            width = proposal.counts.max()
             drafts, probs = proposal.tokens[:, :width], proposal.probs
             probs = probs[:, :width] if probs is not None else None
         else:
-            lens, probs = torch.zeros_like(length), None
+            counts, probs = torch.zeros_like(length), None
             drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=length.device)
         batch.write(rows, length, drafts)
         c1 = self.clock.mark()
-        verified = self.upper.verify(batch, drafts, lens, probs)
+        verified = self.upper.verify(batch, drafts, counts, probs)
         result = verified.result
         if kd:
-            self.lower.accepted(result.num_accepted)
+            self.lower.accepted(RowInts(result.num_accepted))
         batch.tokens[rows, length + result.num_accepted] = result.next_tokens
         c2 = self.clock.mark()
-        proposed, accepted = torch.stack([lens, result.num_accepted]).tolist()    # one host read
+        proposed, accepted = torch.stack([counts, result.num_accepted]).tolist()    # one host read
         self.stats.cycles += 1
         self.stats.proposed += sum(proposed)
         self.stats.accepted += sum(accepted)
@@ -165,19 +166,16 @@ class HierarchicalDrafter(Drafter):
             out.scatter_(1, where[..., None].expand(-1, -1, vocab), value)
         return out[:, :width]
 
-    def accepted(self, num_accepted: torch.Tensor, host_accepted: list[int] | None = None) -> None:
+    def accepted(self, num_accepted: RowInts) -> None:
         """The target accepted num_accepted[b] of row b's tokens: both levels forget the rest."""
+        num_accepted = num_accepted.tensor
         self.discard_after(self._start + num_accepted)
         # logits after each accepted token are still right; the next one too, if it was produced
         self.upper.remember(self._logits, self._start, torch.minimum(num_accepted + 1, self._produced))
 
-    def lag(self, batch: SequenceBatch, lengths: torch.Tensor) -> torch.Tensor | None:
-        lags = [lag for lag in (self.lower.lag(batch, lengths), self.upper.lag(batch, lengths)) if lag is not None]
-        return torch.stack(lags).amax(0) if lags else None
-
-    def host_lag(self, host_lengths: list[int]) -> list[int] | None:
-        lower, upper = self.lower.host_lag(host_lengths), self.upper.host_lag(host_lengths)
-        return None if lower is None or upper is None else list(map(max, lower, upper))
+    def lag(self, batch: SequenceBatch) -> RowInts | None:
+        lags = [lag for lag in (self.lower.lag(batch), self.upper.lag(batch)) if lag is not None]
+        return lags[0] if len(lags) == 1 else lags[0].maximum(lags[1]) if lags else None
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         """The chain proposes from the intermediate's distribution: score that."""
@@ -197,9 +195,9 @@ class HierarchicalDrafter(Drafter):
         self.lower.discard_after(ends)
         self.upper.discard_after(ends)
 
-    def select_rows(self, keep: torch.Tensor, host_keep: list[int] | None = None) -> None:
-        self.lower.select_rows(keep, host_keep)
-        self.upper.select_rows(keep, host_keep)
+    def select_rows(self, keep: RowInts) -> None:
+        self.lower.select_rows(keep)
+        self.upper.select_rows(keep)
 
 
 def chain(models: list, draft_len=4, cycles: int = 2) -> Drafter:

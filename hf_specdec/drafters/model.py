@@ -6,10 +6,11 @@ from typing import Callable
 import torch
 
 from ..cached_model import CachedModel
+from ..rows import RowInts
 from ..sampling import TokenSampler
 from ..sequences import SequenceBatch
 from ..verify import Verified, target_verify
-from .base import Controller, Drafter, Prediction, Proposal
+from .base import ContinueDrafting, Drafter, Prediction, Proposal
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -21,17 +22,17 @@ def output_vocab_size(model: torch.nn.Module) -> int:
     return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
-def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, controller: Controller | None,
+def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None,
                   logits: torch.Tensor, advance: Callable[[torch.Tensor], torch.Tensor]
                   ) -> tuple[Proposal, torch.Tensor]:
     """Up to k drafts per active row, each picked by the sampler from a model's logits [n, 1, vocab]
     for the row's next position and written at the row's end (the processors of the next position
     read it); advance(token [n]) feeds a draft and returns the logits after it (never called for
-    the last). controller: as in `Drafter.propose`. Returns the proposal and the logits each draft
+    the last). continue_drafting: as in `Drafter.propose`. Returns the proposal and the logits each draft
     was picked from [n, k', vocab]."""
-    rows = batch.active
-    start = batch.lengths[rows]
-    lengths = [k] * len(rows)                        # on the host: the controller answers in lists
+    rows = batch.active.tensor
+    start = batch.active_lengths().tensor
+    counts = [k] * len(rows)                         # on the host: continue_drafting answers in lists
     drafts, probs, seen, confidence = [], [], [], []
     asked = [[] for _ in range(len(rows))]           # confidences on the host, a column per draft
     for j in range(k):
@@ -44,20 +45,20 @@ def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, controlle
         confidence.append(dist.gather(1, token[:, None]).squeeze(1))
         batch.tokens[rows, start + j] = token
         drafts.append(token)
-        if controller is not None and j < k - 1:
+        if continue_drafting is not None and j < k - 1:
             for row, c in zip(asked, confidence[-1].tolist()):
                 row.append(c)
             # a row that says no keeps its j + 1 drafts (a row that stopped stays stopped)
-            lengths = [j + 1 if n == k and not more else n for n, more in zip(lengths, controller(asked))]
-            if k not in lengths:
+            counts = [j + 1 if n == k and not more else n for n, more in zip(counts, continue_drafting(asked))]
+            if k not in counts:
                 break
         if j < k - 1:
             logits = advance(token)
-    # (without a controller every row drafted k: no host list to copy to the device)
-    lengths_now = torch.tensor(lengths, device=start.device) if controller is not None else \
-        torch.full_like(start, len(drafts))
-    return Proposal(torch.stack(drafts, 1), lengths_now, torch.stack(probs, 1) if probs else None,
-                    torch.stack(confidence, 1), host_lengths=lengths), torch.stack(seen, 1)
+    # (without continue_drafting every row drafted k: no host list to copy to the device)
+    counts = RowInts.of(counts, start.device) if continue_drafting is not None else \
+        RowInts(torch.full_like(start, len(drafts)), [len(drafts)] * len(rows))
+    return Proposal(torch.stack(drafts, 1), counts, torch.stack(probs, 1) if probs else None,
+                    torch.stack(confidence, 1)), torch.stack(seen, 1)
 
 
 class ModelDrafter(Drafter):
@@ -83,9 +84,8 @@ class ModelDrafter(Drafter):
         #   _head [n, vocab]: predicts position lengths[b], valid while the drafter has no lag
         self._known = self._known_count = self._known_start = self._head = None
 
-    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
-        rows = batch.active
-        start = batch.lengths[rows]
+    def propose(self, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None = None) -> Proposal:
+        start = batch.active_lengths().tensor
         if self._head is not None and self._caught_up(batch):
             logits = self._head[:, None]                 # caught up by the last replay
         else:
@@ -94,37 +94,32 @@ class ModelDrafter(Drafter):
         self._head = None
         self.runner.reserve(k - 1)                       # the drafts' own forwards (slots stay put)
         self._spec_start = self.runner.num_slots
-        proposal, self._known = sample_drafts(self.sampler, batch, k, controller, logits,
+        proposal, self._known = sample_drafts(self.sampler, batch, k, continue_drafting, logits,
                                               lambda token: self.runner.forward(token[:, None], None, 1))
         self._fed_drafts = proposal.tokens.shape[1] - 1  # the last draft was never fed
         self._known_start = start.clone()                # _known [n, k', vocab] predicts start .. start+k'-1
         return proposal
 
     def _caught_up(self, batch) -> bool:
-        lag = self.runner.host_lag(batch.active_host_lengths())
-        return max(lag, default=0) == 0 if lag is not None else int(self.runner.lag(batch).max()) == 0
+        return self.runner.lag(batch).max() == 0
 
-    def lag(self, batch, lengths):
-        return self.runner.lag(batch, lengths)
+    def lag(self, batch):
+        return self.runner.lag(batch)
 
-    def host_lag(self, host_lengths):
-        return self.runner.host_lag(host_lengths)
-
-    def accepted(self, num_accepted, host_accepted=None):
-        kept = num_accepted.clamp(max=self._fed_drafts)
-        host_kept = None if host_accepted is None else [min(a, self._fed_drafts) for a in host_accepted]
-        self.runner.rollback(self._spec_start, kept, host_kept)
-        self._known_count = kept + 1     # the logits after each kept draft are still right
+    def accepted(self, num_accepted):
+        kept = num_accepted.minimum(self._fed_drafts)
+        self.runner.rollback(self._spec_start, kept)
+        self._known_count = kept.tensor + 1     # the logits after each kept draft are still right
         self._spec_start = None
 
-    def verify(self, batch: SequenceBatch, drafts: torch.Tensor, draft_lens: torch.Tensor,
+    def verify(self, batch: SequenceBatch, drafts: torch.Tensor, draft_counts: torch.Tensor,
                draft_probs: torch.Tensor | None) -> Verified:
         """This model verifies another drafter's drafts [n, w], written at each active row's end
         (the intermediate of a hierarchy): `target_verify` on its cache, from the logits it holds
         when a replay caught it up."""
         caught_up = self._head is not None and self._caught_up(batch)
         head, self._head = self._head if caught_up else None, None
-        return target_verify(self.runner, batch, drafts, draft_lens, draft_probs, self.sampler, head)
+        return target_verify(self.runner, batch, drafts, draft_counts, draft_probs, self.sampler, head)
 
     def remember(self, logits: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> None:
         """Logits [n, w, vocab] this model computed for positions start[b] .. of each active row, the
@@ -136,17 +131,17 @@ class ModelDrafter(Drafter):
         """Feed the verified tokens not yet in the cache and return the drafter's prediction at
         each verified position; afterwards the drafter has no lag and holds the next head."""
         rows = batch.active
-        count = batch.lengths[rows] - start                              # [n] verified positions
+        count = batch.active_lengths().tensor - start                    # [n] verified positions
         proposed_here = (self._known_start == start).all() if self._known is not None else count.new_tensor(0)
         width, proposed_here = torch.stack([count.max() + 1, proposed_here.long()]).tolist()  # one host read
         if proposed_here:                                                # proposed this step
             known, known_count = self._known, self._known_count
         elif self._head is not None:                                     # caught up last step
-            known, known_count = self._head[:, None], (self.runner.fed == start).long()
+            known, known_count = self._head[:, None], (self.runner.fed.tensor == start).long()
         else:
             known, known_count = None, torch.zeros_like(count)
         needed = count + 1 - known_count                                 # [n] positions to feed
-        keep, fits = torch.stack([needed.max(), (self.runner.lag(batch) >= needed).all().long()]).tolist()
+        keep, fits = torch.stack([needed.max(), (self.runner.lag(batch).tensor >= needed).all().long()]).tolist()
         assert fits, "replay: lost positions"
         tokens, real = self.runner.pending(batch)
         out = self.runner.forward(tokens, real, keep=keep)               # [n, keep, vocab]
@@ -185,15 +180,15 @@ class ModelDrafter(Drafter):
         joining = CachedModel(self.model)
         joining.reset(batch, from_first_real=True)
         if prefill:
-            end = batch.lengths[batch.active] - (0 if caught_up else 1)
+            end = batch.active_lengths() - (0 if caught_up else 1)
             logits = joining.forward(*joining.pending(batch, end), keep=1)        # [m, 1, vocab]
         self.runner.append(joining)
         self._head = torch.cat([self._head, logits[:, 0]]) if caught_up else None
         self._known = self._known_count = self._known_start = None
 
-    def select_rows(self, keep, host_keep=None):
-        self.runner.select_rows(keep, host_keep)
-        # logits live on the batch's device, like `keep`
+    def select_rows(self, keep):
+        self.runner.select_rows(keep)
+        keep = keep.tensor               # logits live on the batch's device, like `keep`
         if self._head is not None:
             self._head = self._head[keep]
         if self._known is not None:

@@ -18,8 +18,9 @@ import torch
 
 from .. import _compat
 from ..cached_model import CachedModel, window_masks
+from ..rows import RowInts
 from ..sequences import SequenceBatch
-from .base import Controller, Drafter, Proposal
+from .base import ContinueDrafting, Drafter, Proposal
 from .model import output_vocab_size, sample_drafts
 
 
@@ -48,12 +49,12 @@ class TargetStatesDrafter(Drafter):
         super().begin(batch, sampler)
         self.forward_count = 0
 
-    def propose(self, batch: SequenceBatch, k: int, controller: Controller | None = None) -> Proposal:
-        target, rows = self.target, batch.active
+    def propose(self, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None = None) -> Proposal:
+        target, rows = self.target, batch.active.tensor
         device = target.device
         if target.last_hidden is None:       # the first step: the target's verification prefills
             n = len(rows)
-            return Proposal(batch.tokens.new_zeros(n, k), batch.tokens.new_zeros(n), host_lengths=[0] * n)
+            return Proposal(batch.tokens.new_zeros(n, k), RowInts.full(n, 0, batch.tokens.device))
         # the target has fed every token but each row's last (its lag is 1): that token's position
         # is the number of real slots, and every real slot is before it
         positions = target.num_real[:, None]                                   # [n, 1]
@@ -71,8 +72,8 @@ class TargetStatesDrafter(Drafter):
             self.forward_count += 1
             return logits.float().to(batch.tokens.device)
 
-        first = advance(batch.tokens[rows, batch.lengths[rows] - 1])
-        return sample_drafts(self.sampler, batch, k, controller, first, advance)[0]
+        first = advance(batch.tokens[rows, batch.active_lengths().tensor - 1])
+        return sample_drafts(self.sampler, batch, k, continue_drafting, first, advance)[0]
 
     def forwards(self):
         return [(self.name, self.forward_count)]

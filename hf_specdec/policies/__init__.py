@@ -36,13 +36,8 @@ class SpecPolicy:
         self.selector.begin(ctx)
 
     def choose(self, ctx: StepContext) -> Decision:
-        return Decision(drafter=self.selector.choose(ctx), length=self.length.choose(ctx))
-
-    def plan(self, ctx: StepContext) -> tuple[Decision, int]:
-        """What every executor of a step (the loop, the simulator) runs: the decision, and the k to
-        run: no draft past the longest row's room (ctx.remaining, if known)."""
-        decision = self.choose(ctx)
-        return decision, max(0, min(decision.length, ctx.remaining - 1) if ctx.remaining else decision.length)
+        return Decision(drafter=self.selector.choose(ctx), k=self.length.choose(ctx),
+                        feedback=self.selector.wants_feedback(ctx.step))
 
     @property
     def continue_drafting(self):
@@ -55,9 +50,6 @@ class SpecPolicy:
         if self.length.verify_lengths is None:
             return lengths
         return [min(n, max(w, 0)) for n, w in zip(lengths, self.length.verify_lengths(confidences))]
-
-    def wants_feedback(self, step: int) -> bool:
-        return self.selector.wants_feedback(step)
 
     def observe(self, record: StepRecord) -> None:
         self.selector.observe(record)

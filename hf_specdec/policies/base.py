@@ -20,10 +20,6 @@ def probability(value, where: str) -> float:
     return value
 
 
-# draft lengths with a compiled verification of their own (k + 1 tokens): a length policy's arms
-SPEC_TIERS = (0, 1, 2, 4, 6, 8)
-
-
 def pow2_bucket(batch_size: int) -> int:
     """The power of two at or above `batch_size`: batch sizes that share what a policy learns."""
     return 1 << max(batch_size - 1, 0).bit_length()
@@ -42,10 +38,11 @@ class StepContext:
     remaining: int = 0        # most new tokens any active row may still emit (0: unknown)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Decision:
     drafter: int | list[int]  # index into assistant_models, for all rows or per active row
-    length: int               # draft length k; 0 = plain decoding step
+    k: int                    # the step's draft length; 0 = plain decoding step
+    feedback: bool = False    # score every drafter on the positions this step verifies
 
 
 class LengthPolicy:

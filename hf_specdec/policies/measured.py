@@ -40,7 +40,8 @@ import statistics
 from collections import deque
 
 from ..stats import StepRecord
-from .base import SPEC_TIERS, LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
+from ..tiers import SPEC_TIERS
+from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
 
 STEADY_LAG = 3     # a drafter's lag between drafting steps is 1 or 2; after one plain step up to 3
 PATIENCE = 8       # plain time before the first probe, in what the probe is predicted to lose

@@ -19,11 +19,15 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
+from ..cached_model import CachedModel
 from ..distributed import ranks_of
-from ..generate import DecodingLoop, check_spec_args, ensure_profile
-from ..offload import as_offload
+from ..generate import check_spec_args, ensure_profile
+from ..loop import DecodingLoop
+from ..offload import RESIDENT, as_offload
+from ..rows import RowInts
 from ..sampling import TokenSampler
 from ..sequences import SequenceBatch
+from ..stops import StopJudge
 from .simulator import RequestResult, RunResult, RunStep
 from .workload import Request
 
@@ -65,8 +69,9 @@ class Engine:
         device = next(self.model.parameters()).device
         empty = torch.full((self.max_batch, self.max_prompt_len), self.pad, device=device)
         batch = SequenceBatch(empty, torch.zeros_like(empty), max_length=1 << 30, pad_token_id=self.pad)
-        batch.set_active(batch.active[:0], [])
-        stops = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
+        batch.active = RowInts.of([], device)
+        criteria = StoppingCriteriaList([EosTokenCriteria(self.eos_token_id)] if self.eos_token_id is not None else [])
+        stops = StopJudge(criteria, self.max_batch, batch.max_length, device, freeze_finished=True)
         # (request times are read after each step's host reads of its results: its work is done)
         loop = DecodingLoop(self.model, batch, self.drafters, self.policy, TokenSampler(None, False, None), stops,
                             offload=self.offload)
@@ -87,22 +92,48 @@ class Engine:
             while waiting and waiting[0][0].arrival <= now() and len(joining) < len(free):
                 joining.append(waiting.pop(0))
             if joining:
-                rows = torch.tensor(free[: len(joining)], device=device)
+                rows = RowInts.of(free[: len(joining)], device)
                 width = max(len(p) for _, p in joining)
                 ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for _, p in joining], device=device)
                 mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in joining], device=device)
-                limits = batch.prompt_len + torch.tensor([r.output_len for r, _ in joining], device=device)
-                loop.join(rows, ids, mask, limits)
+                limits = RowInts.of([batch.prompt_len + r.output_len for r, _ in joining], device)
+                join(loop, rows, ids, mask, limits)
                 t = now()
-                serving.update({int(row): (req, t) for row, (req, _) in zip(rows, joining)})
+                serving.update({row: (req, t) for row, (req, _) in zip(rows.host, joining)})
             if len(batch.active):
                 record = loop.step()
                 result.steps.append(RunStep(now(), record.batch_size, record.k, sum(record.emitted)))
-            t, active = now(), set(batch.active.tolist())
+            t, active = now(), set(batch.active.host)
             for row in [row for row in serving if row not in active]:      # finished: frees its row
                 request, first = serving.pop(row)
-                produced = batch.tokens[row, batch.prompt_len: batch.lengths[row]].tolist()
+                produced = batch.tokens[row, batch.prompt_len: batch.lengths.host[row]].tolist()
                 result.outputs[request.id] = produced
                 result.requests.append(RequestResult(request, first, t, len(produced)))
-        loop.finish()
+        loop.observe_late()
         return result
+
+
+def join(loop: DecodingLoop, rows: RowInts, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+         limits: RowInts) -> None:
+    """Start new requests in `loop`'s inactive `rows` [m] (continuous batching): prompts [m, p]
+    (left-padded, mask [m, p]) are prefilled on their own by the target, which picks each one's
+    first token, and by the drafters; their caches then follow the running rows', and they decode
+    until their total length reaches `limits` [m] or a stop."""
+    batch, sampler = loop.batch, loop.sampler
+    batch.refill(rows, input_ids, attention_mask)
+    loop.stops.join(rows, limits)
+    loop.policy.selector.join(rows.host)
+    joining = batch.view(active=rows)
+    joiner = CachedModel(loop.target.model)
+    joiner.reset(joining, from_first_real=True)       # prompts sit left-padded to the batch's width
+    logits = joiner.forward(*joiner.pending(joining), keep=1)             # [m, 1, vocab]
+    batch.tokens[rows.tensor, batch.prompt_len] = sampler.pick(sampler.scores(joining, logits)[:, 0])
+    batch.lengths[rows] = batch.lengths[rows] + 1   # the first token is the target's lag: 1, as for all
+    first = RowInts.full(len(rows), 1, batch.tokens.device)
+    loop.stops.cut(batch, rows, batch.lengths[rows] - 1, first)
+    resident = loop.offload is None or loop.offload.state == RESIDENT
+    for drafter in loop.drafters:
+        drafter.add_rows(joining, prefill=resident)
+    loop.target.append(joiner)
+    batch.active = batch.active.cat(rows)
+    loop.retire_finished()                    # one-token requests, or a first token that stops

@@ -319,7 +319,8 @@ class Simulator:
             ctx = StepContext(step, rows, 1, [r.request.id for r in running], context, lag, room + 1)
             if resident is not None:
                 resident.now = t                            # what the offload manager's clock reads
-            decision, k = self.policy.plan(ctx)             # the loop's own decision and clamp
+            decision = self.policy.choose(ctx)
+            k = min(decision.k, room)                       # the loop's own budget: no draft past the room
             if offload is not None and not offload.step(ctx, k):   # the drafts are off the device
                 k = 0
             if resident is not None and resident.dropped:   # offloaded: its cache went with it
@@ -346,7 +347,7 @@ class Simulator:
             for r, a, e in zip(running, accepted, emitted):
                 r.produced += e
                 r.lag = r.lag + e if not k else 1 + (a == k)   # the last draft was never fed
-            self.policy.observe(StepRecord.of_step(ctx, k, decision.length, proposed, accepted, draft_s=draft_s,
+            self.policy.observe(StepRecord.of_step(ctx, k, decision.k, proposed, accepted, draft_s=draft_s,
                                                    verify_s=verify_s + carried))
             carried = 0.0
             result.steps.append(RunStep(t, rows, k, sum(emitted)))
