@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hf_specdec.costmodel import CostProfile
-from hf_specdec.policies.base import SPEC_TIERS
+from hf_specdec.policies import auto_policy
 from hf_specdec.serving import RelativeCosts, Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +50,7 @@ REGIMES = {
     "cpu-real-pair": lambda: CostProfile.load(ROOT / "docs/results/bench_serving_sim/qwen-coder-profile.json"),
 }
 POLICIES = (Method("auto", "auto"), Method("nightjar", "nightjar", k=8))      # the default, the previous one
+FIXED = tuple(auto_policy().length.arms)      # every draft length the default chooses among
 
 
 def call_tokens_per_s(costs, policy, acceptance: float, batch: int, args, seed: int, sim=None) -> tuple[float, Simulator]:
@@ -68,7 +69,7 @@ def cell(costs, acceptance: float, batch: int, args) -> dict:
     """Tokens/s of every fixed k and of the policies (first call, steady state), summed over seeds."""
     seeds = [1000 * s + batch for s in range(args.seeds)]
     out = {}
-    for k in SPEC_TIERS:
+    for k in FIXED:
         speeds = [call_tokens_per_s(costs, spec_policy("fixed", k), acceptance, batch, args, s)[0] for s in seeds]
         out[f"fixed:{k}"] = sum(speeds) / len(speeds)
     for method in POLICIES:

@@ -94,7 +94,7 @@ def run_env(name, args, results: Results) -> None:
         inputs = make_inputs(batch)
         models = (("target", target), ("inter", intermediate)) + (() if isinstance(draft, type) else (("draft", draft),))
         ids = random_ids(1000, batch, 64)["input_ids"]         # one-token forwards after a 64-token prefill
-        seconds = {m: forward_ms(model, ids.to(_compat.execution_device(model)))[1] / 1e3 for m, model in models}
+        seconds = {name: forward_ms(m, ids.to(_compat.execution_device(m)))[1] / 1e3 for name, m in models}
         seconds.setdefault("draft", 0.0)      # a lookup drafter: no forward
         table = methods(intermediate, draft, args.two_model_k, args.hierarchy)
         drafters = {}

@@ -179,9 +179,8 @@ def run(args, methods, problems, out_dir: Path):
                                                                       timeout=args.timeout, progress=False)))
                 return out
             timing = interleaved(methods, samples, rounds=1, warmup=False, offset=i)
-            plain_batches = timing.outputs.get("plain") or [(0, None, None, None)]
-            plain = done.get(("plain", problem["task_id"], 0), {}).get("tokens") or \
-                (plain_batches[0][1].tokens[0] if plain_batches[0][1] else None)
+            fresh, key = timing.outputs.get("plain"), ("plain", problem["task_id"], 0)   # greedy: plain's one row
+            plain = done[key].get("tokens") if key in done else (fresh[0][1].tokens[0] if fresh else None)
             for method in methods:      # the problem's records, written once every method has run
                 for first, batch, completions, results in timing.outputs[method.name]:
                     identity = identity_verdict(model, batch, plain) \

@@ -12,7 +12,7 @@ policy      hf-assisted[:k]  Transformers' own assisted generation (its code, no
             the library's own names (hf_specdec.policies.resolve_policy): auto (the default),
                            fixed[:k], measured[:k], nightjar[:k], adaspec[:k], dsd[:k], hf-heuristic[:k],
                            confidence; hedgespec, ucb, exp3 choose among the drafters of @pool
-            ablations (ABLATIONS): nightjar-exact (the paper's one bandit per batch size), HedgeSpec
+            ablations (SELECTOR_ABLATIONS, LENGTH_ABLATIONS): nightjar-exact (the paper's one bandit per batch size), HedgeSpec
                            variants (hedgespec-cold, -hedge, -adanormalhedge, -cost, -every2, -every4,
                            -cost-every4, -cost-every8);
                            a selector's ':k' is k drafts every step (the library's: 4)
@@ -22,6 +22,7 @@ drafter     draft          the draft model (an embedded name, a hub id or a path
             hier           three models: prompt lookup -> draft model -> target (2 drafts per inner
                            cycle, 2 cycles); without a draft model, the target's int8 -> bf16 copies
             pool           the drafters named by `pool` (for the selectors)
+            a script's own drafters and pools by name (MethodFactory's `drafters`, `pools`)
 
 AdaSpec and DSD measure a cost profile of target and drafter the first time they meet them
 (hf_specdec.costmodel.cached_profile: cached on disk, so a resumed run reuses it). Drafters and
