@@ -26,7 +26,6 @@ resumes; no cell starts once --budget-s has passed.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import statistics
@@ -44,7 +43,7 @@ from hf_specdec.loop import DecodingLoop
 from hf_specdec.sequences import SequenceBatch
 from hf_specdec.testing import (QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts,
                                 set_circle_alpha)
-from harness import Results, generate, interleaved, speed  # eval/ is on sys.path when run as a script
+from harness import Results, arguments, generate, interleaved, parse, speed  # eval/ is on sys.path as a script
 from methods import MethodFactory, parse_methods
 from report import figure, method_bars
 
@@ -263,7 +262,7 @@ def plot(payload, path: Path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--pairs", default="7b/0.5b", help=f"target/draft sizes among {sorted(QWEN2_SIZES)}")
     parser.add_argument("--alphas", default="0.8", help="built per-token acceptance of the draft")
@@ -280,7 +279,7 @@ def main(argv=None):
                         help="Gemma 3's layer pattern (5 sliding-window layers of this many tokens to 1 full)")
     parser.add_argument("--budget-s", type=float, default=400, help="start no cell after this many seconds")
     parser.add_argument("--out", required=True, help="path prefix: <out>.json, .md, .png")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, log_format="%(asctime)s %(message)s")   # timed against --budget-s
     try:
         methods = parse_methods(args.methods, first="plain")
         pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
@@ -293,8 +292,6 @@ def main(argv=None):
     if any(not 0 < a <= 1 for a in alphas):
         parser.error(f"--alphas must lie in (0, 1], got {args.alphas!r}")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_grad_enabled(False)
     began = time.perf_counter()
 
     results = Results(Path(args.out), vars(args), markdown, plot)

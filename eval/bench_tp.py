@@ -14,7 +14,6 @@ made, i.e. what the ranks' agreement costs a call.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -26,7 +25,7 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 
 from hf_specdec import distributed
 from hf_specdec.embedded import gguf_path, load_model
-from harness import Results, generate, interleaved, speed        # eval/ is on sys.path as a script
+from harness import Results, arguments, generate, interleaved, speed        # eval/ is on sys.path as a script
 from humaneval_data import load_problems, prompt_text
 from methods import MethodFactory, parse_methods
 from report import figure
@@ -81,7 +80,7 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--problems", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)

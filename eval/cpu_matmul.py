@@ -13,7 +13,6 @@ to m = 1. Writes <out>.json, <out>.md, <out>.png, stamped.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from report import write_results  # eval/ is on sys.path when run as a script
+from harness import arguments  # eval/ is on sys.path when run as a script
+from report import figure, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_specdec.embedded import use_onednn_linears  # noqa: E402
@@ -53,7 +53,7 @@ def layers():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--out", default="results/cpu_matmul/this-cpu")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -72,22 +72,16 @@ def main(argv=None):
               "verifying costs as much as decoding the tokens one by one and speculation cannot pay."]
 
     def plot(path: Path):
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for kernel in dict.fromkeys(r["kernel"] for r in rows_out):
-            pts = [r for r in rows_out if r["kernel"] == kernel]
-            ax.plot([r["rows"] for r in pts], [r["x_one_row"] for r in pts], marker="o", label=kernel)
-        ax.plot(ROWS, ROWS, ls=":", color="gray", label="m x (no reuse of the weights)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("rows m")
-        ax.set_ylabel("time / time of one row")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        with figure(path) as ((ax,),):
+            for kernel in dict.fromkeys(r["kernel"] for r in rows_out):
+                pts = [r for r in rows_out if r["kernel"] == kernel]
+                ax.plot([r["rows"] for r in pts], [r["x_one_row"] for r in pts], marker="o", label=kernel)
+            ax.plot(ROWS, ROWS, ls=":", color="gray", label="m x (no reuse of the weights)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xlabel("rows m")
+            ax.set_ylabel("time / time of one row")
+            ax.legend()
     out = Path(args.out)
     md = write_results(out.parent, out.name, {"args": vars(args), "rows": rows_out}, "\n".join(lines) + "\n", plot)
     print(md.read_text())

@@ -175,13 +175,13 @@ def arguments(doc: str, *envs: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv, envs=()) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser, argv, envs=(), log_format: str = "%(message)s") -> argparse.Namespace:
     """Parse `argv`, --envs checked against `envs`; logging on, autograd off (a benchmark's start)."""
     args = parser.parse_args(argv)
     unknown = [e for e in getattr(args, "envs", "").split(",") if envs and e not in envs]
     if unknown:
         parser.error(f"--envs: unknown {unknown}; known: {sorted(envs)}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format=log_format)
     torch.set_grad_enabled(False)
     return args
 

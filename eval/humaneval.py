@@ -44,7 +44,7 @@ import hf_specdec  # noqa: E402
 from hf_specdec.drafters.self_draft import KINDS as SELF_DRAFT_KINDS  # noqa: E402
 from hf_specdec.embedded import MODELS, load_model, use_onednn_linears  # noqa: E402
 from envs import smollm2  # noqa: E402
-from harness import Results, arguments, interleaved  # noqa: E402
+from harness import Results, arguments, interleaved, parse  # noqa: E402
 from humaneval_data import load_pass_at_k_metric, load_problems, prompt_text, stop_sequences, truncate_completion  # noqa: E402
 from identity import VERDICTS, compare_tokens, until_eos  # noqa: E402
 from methods import MethodFactory, parse_methods, parse_pool  # noqa: E402
@@ -381,8 +381,7 @@ def main(argv=None):
     parser.add_argument("--out", default="results/humaneval")
     parser.add_argument("--summary-only", action="store_true",
                         help="summarise what <out>/samples.jsonl holds, generating nothing (e.g. while a run goes on)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse(parser, argv)
 
     # everything that can be wrong is checked before a model is loaded
     try:
@@ -409,7 +408,6 @@ def main(argv=None):
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.set_grad_enabled(False)
     done = read_done(out_dir / "samples.jsonl") if args.summary_only else run(args, methods, problems, out_dir)
     summary = summarize(args, methods, problems, done)
     results = Results(out_dir / "summary", summary.pop("args"), markdown, plot, resume=False)
