@@ -21,15 +21,14 @@ machine, after each (env, batch) cell; a rerun with the same arguments resumes.
 from __future__ import annotations
 
 import logging
-import statistics
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from envs import ENVS, encode, humaneval_texts, random_ids
-from harness import (ForwardCounter, Results, arguments, check_identity, generate, interleaved,  # eval/ is on
-                     ints, parse)                                                         # sys.path as a script
-from identity import compare_rows, counts, until_eos
+from harness import (ForwardCounter, Results, arguments, check_identity, generate, ints,  # eval/ is on sys.path
+                     over_chunks, parse)
+from identity import counts
 from methods import MethodFactory, parse_methods
 from report import figure, method_bars
 
@@ -74,7 +73,6 @@ def run_env(name, args, results: Results):
     env = ENVS[name]()
     model, make_inputs = env.model, batches(name, env, args)
     factory = MethodFactory(model, draft_model=env.draft)        # drafters and policies live for the whole run
-    eos = model.generation_config.eos_token_id
     forwards = ForwardCounter(model)
     warm = False
     for batch in args.batch_sizes:
@@ -83,34 +81,26 @@ def run_env(name, args, results: Results):
         parts = make_inputs(batch)
         # Transformers' assisted generation refuses batch > 1
         methods = [m for m in args.methods if batch == 1 or m.ours or m.policy is None]
-        seconds = {m.name: [] for m in methods}                  # [chunk]: median over repeats
         calls = {m.name: [] for m in methods}                    # per call: (target forwards, MAT numbers)
-        tokens, verdicts = 0, {m.name: [] for m in methods}
         chosen = {m.name: {} for m in methods}                   # ours: steps per draft length k
         if not warm:                                             # first use: caches, profiles, kernels
             for method in methods:
                 generate(model, factory, method, **parts[0], max_new_tokens=2, do_sample=False)
             warm = True
-        for c, inputs in enumerate(tqdm(parts, desc=f"{name} batch={batch}", leave=False)):
-            def run(method):
-                forwards.count = 0
-                out = generate(model, factory, method, **inputs, max_new_tokens=args.max_new_tokens,
-                               do_sample=False, return_dict_in_generate=True)
-                stats = getattr(out, "spec_stats", None)
-                calls[method.name].append((forwards.count, (stats.tokens_generated, sum(r.batch_size for r in
-                                                                                        stats.steps)) if stats else None))
-                if stats:
-                    for r in stats.steps:
-                        chosen[method.name][r.k] = chosen[method.name].get(r.k, 0) + 1
-                return out.sequences
-            timing = interleaved(methods, run, args.repeats, warmup=False, offset=c)
-            plain = timing.outputs["plain"]
-            tokens += sum(len(until_eos(row, eos)) for row in plain[:, inputs["input_ids"].shape[1]:])
-            for method in methods:
-                seconds[method.name].append(statistics.median(timing.seconds[method.name]))
-                for v in compare_rows(model, inputs["input_ids"], inputs["attention_mask"], plain,
-                                      timing.outputs[method.name], eos):
-                    verdicts[method.name].append(dict(v, prompt=c * batch + v["row"]))  # index among --problems
+
+        def run(method, inputs):
+            forwards.count = 0
+            out = generate(model, factory, method, **inputs, max_new_tokens=args.max_new_tokens,
+                           do_sample=False, return_dict_in_generate=True)
+            stats = getattr(out, "spec_stats", None)
+            calls[method.name].append((forwards.count, (stats.tokens_generated, sum(r.batch_size for r in
+                                                                                    stats.steps)) if stats else None))
+            for r in stats.steps if stats else ():
+                chosen[method.name][r.k] = chosen[method.name].get(r.k, 0) + 1
+            return out.sequences
+        measured = over_chunks(model, methods, tqdm(parts, desc=f"{name} batch={batch}", leave=False), run,
+                               args.repeats)
+        seconds, verdicts, tokens = measured.seconds, measured.verdicts, measured.tokens
         rows = {}
         for method in methods:
             chunk, fwd = seconds[method.name], sum(f for f, _ in calls[method.name])

@@ -25,14 +25,13 @@ the run). Writes <out>.json, <out>.md and <out>.png after each (env, batch) cell
 from __future__ import annotations
 
 import logging
-import statistics
 from pathlib import Path
 
 import hf_specdec
 from hf_specdec import _compat
 from envs import ENVS as MODELS, encode, humaneval_texts, qwen_coder, random_ids  # eval/ is on sys.path as a script
-from harness import Results, arguments, check_identity, forward_ms, identity_mark, interleaved, ints, parse
-from identity import compare_rows, counts, until_eos
+from harness import Results, arguments, check_identity, forward_ms, identity_mark, ints, over_chunks, parse
+from identity import counts
 from methods import Method, spec_policy
 from report import figure
 from spec_bench import SOURCE as SPEC_BENCH
@@ -86,41 +85,37 @@ def methods(intermediate, draft, two_model_k, hierarchy) -> dict:
 def run_env(name, args, results: Results) -> None:
     target, intermediate, draft, make_inputs = ENVS[name](args)
     hf_specdec.enable(target)
-    eos = target.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
     for batch in args.batch_sizes:
         if results.done({"env": name, "batch": batch}):
             continue
         inputs = make_inputs(batch)
         models = (("target", target), ("inter", intermediate)) + (() if isinstance(draft, type) else (("draft", draft),))
         ids = random_ids(1000, batch, 64)["input_ids"]         # one-token forwards after a 64-token prefill
-        seconds = {name: forward_ms(m, ids.to(_compat.execution_device(m)))[1] / 1e3 for name, m in models}
+        seconds = {role: forward_ms(m, ids.to(_compat.execution_device(m)))[1] / 1e3 for role, m in models}
         seconds.setdefault("draft", 0.0)      # a lookup drafter: no forward
         table = methods(intermediate, draft, args.two_model_k, args.hierarchy)
-        drafters = {}
+        drafters, stats = {}, {}
         target.generate(**inputs, max_new_tokens=2, do_sample=False)                       # warm-up
 
-        def run(method):
+        def run(method, inputs):
             kwargs = dict(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
             if table[method] is not None:
                 drafters[method.name] = table[method]()
                 kwargs.update(assistant_models=[drafters[method.name]], spec_policy=spec_policy("fixed", method.k))
-            return target.generate(**kwargs)
-        timing = interleaved(list(table), run, rounds=args.repeats, warmup=False)
-        plain = timing.outputs["plain"].sequences
-        tokens = sum(len(until_eos(row, eos)) for row in plain[:, inputs["input_ids"].shape[1]:])
+            out = target.generate(**kwargs)
+            stats[method.name] = getattr(out, "spec_stats", None)
+            return out.sequences
+        measured = over_chunks(target, list(table), [inputs], run, args.repeats)
         rows = {}
-        for m, out in timing.outputs.items():
-            stats, d = getattr(out, "spec_stats", None), drafters.get(m)
-            row = {"tokens_per_s": round(tokens / statistics.median(timing.seconds[m]), 2),
-                   "seconds": [round(t, 3) for t in timing.seconds[m]],
-                   "identity": counts(compare_rows(target, inputs["input_ids"], inputs.get("attention_mask"), plain,
-                                                   out.sequences, eos)),
-                   "mat": round(stats.mean_accepted_tokens, 3) if stats else 1.0}
-            if stats:
-                proposed = sum(sum(s.proposed) for s in stats.steps)
-                row["accept_outer"] = round(sum(sum(s.accepted) for s in stats.steps) / max(proposed, 1), 3)
-                row["target_forwards"] = stats.target_forwards
+        for m, (median,) in measured.seconds.items():
+            d = drafters.get(m)
+            row = {"tokens_per_s": round(measured.tokens / median, 2), "seconds": round(median, 3),
+                   "identity": counts(measured.verdicts[m]),
+                   "mat": round(stats[m].mean_accepted_tokens, 3) if stats[m] else 1.0}
+            if stats[m]:
+                proposed = sum(sum(s.proposed) for s in stats[m].steps)
+                row["accept_outer"] = round(sum(sum(s.accepted) for s in stats[m].steps) / max(proposed, 1), 3)
+                row["target_forwards"] = stats[m].target_forwards
             if isinstance(d, hf_specdec.HierarchicalDrafter):
                 row["accept_inner"] = round(d.stats.acceptance, 3)
             if d is not None:

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 import hf_specdec
+from identity import compare_rows, until_eos
 from methods import Method, MethodFactory
 from report import write_results
 
@@ -85,6 +86,35 @@ def interleaved(methods: list[Method], run: Callable[[Method], object], rounds: 
             else:
                 timing.warmup_seconds[method.name] = time.perf_counter() - start
     return timing
+
+
+@dataclass
+class Chunked:
+    """What `over_chunks` measured: per method the median seconds of each chunk and every row's
+    verdict against plain (`prompt`: the row's index over all chunks); plain's new tokens."""
+    seconds: dict[str, list[float]]
+    verdicts: dict[str, list[dict]]
+    tokens: int = 0
+
+
+def over_chunks(model, methods: list[Method], chunks, run: Callable[[Method, dict], torch.Tensor],
+                rounds: int = 1) -> Chunked:
+    """Every method on each chunk of inputs ({"input_ids", "attention_mask"}), `interleaved` for
+    `rounds` timed rounds a chunk (the order shifted by the chunk's index); run(method, inputs) ->
+    the output sequences. Every row is compared with plain's (identity.compare_rows)."""
+    eos = model.generation_config.eos_token_id
+    out = Chunked({m.name: [] for m in methods}, {m.name: [] for m in methods})
+    first = 0
+    for c, inputs in enumerate(chunks):
+        timing = interleaved(methods, lambda method: run(method, inputs), rounds, warmup=False, offset=c)
+        plain = timing.outputs["plain"]
+        out.tokens += sum(len(until_eos(row, eos)) for row in plain[:, inputs["input_ids"].shape[1]:])
+        for m in methods:
+            out.seconds[m.name].append(statistics.median(timing.seconds[m.name]))
+            out.verdicts[m.name] += [dict(v, prompt=first + v["row"]) for v in compare_rows(
+                model, inputs["input_ids"], inputs.get("attention_mask"), plain, timing.outputs[m.name], eos)]
+        first += len(plain)
+    return out
 
 
 def speed(seconds: dict[str, list[float]], reference: str) -> dict[str, dict]:

@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 
 from hf_specdec.embedded import cpu_bf16_matmul
 from envs import encode, qwen_coder
-from harness import Results, arguments, forward_ms, generate, interleaved, parse  # eval/ is on sys.path
+from harness import Results, arguments, forward_ms, generate, over_chunks, parse  # eval/ is on sys.path
 from humaneval_data import load_problems, prompt_text
-from identity import compare_rows, counts, until_eos
+from identity import counts
 from methods import MethodFactory, parse_methods
 from report import figure
 
@@ -77,26 +77,18 @@ def budget(target, draft, prompts: list[dict], args) -> dict:
 
     factory = MethodFactory(target, draft_model=draft)
     methods = args.methods
-    eos = target.generation_config.eos_token_id
-    seconds = {m.name: [] for m in methods}
     phases = {m.name: [] for m in methods}
-    tokens, verdicts = 0, {m.name: [] for m in methods}
     for method in methods:                                   # warm: kernels, the default policy's profile
         generate(target, factory, method, **prompts[0], max_new_tokens=2, do_sample=False)
-    for i, inputs in enumerate(tqdm(prompts, desc="prompts", leave=False)):
-        def run(method):
-            out = generate(target, factory, method, **inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
-                           return_dict_in_generate=True)
-            if getattr(out, "spec_stats", None) is not None and len(out.spec_stats.steps) > 1:
-                phases[method.name].append(step_phases(out.spec_stats))
-            return out.sequences
-        timing = interleaved(methods, run, rounds=1, warmup=False, offset=i)
-        plain = timing.outputs["plain"]
-        tokens += len(until_eos(plain[0, inputs["input_ids"].shape[1]:], eos))
-        for method in methods:
-            seconds[method.name].append(timing.seconds[method.name][0])
-            verdicts[method.name] += compare_rows(target, inputs["input_ids"], inputs["attention_mask"], plain,
-                                                  timing.outputs[method.name], eos)
+
+    def run(method, inputs):
+        out = generate(target, factory, method, **inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+                       return_dict_in_generate=True)
+        if getattr(out, "spec_stats", None) is not None and len(out.spec_stats.steps) > 1:
+            phases[method.name].append(step_phases(out.spec_stats))
+        return out.sequences
+    measured = over_chunks(target, methods, tqdm(prompts, desc="prompts", leave=False), run)
+    seconds, verdicts, tokens = measured.seconds, measured.verdicts, measured.tokens
     rows = {}
     for method in methods:
         total = sum(seconds[method.name])
