@@ -39,7 +39,7 @@ from .offload import RESIDENT, DraftOffload
 from .policies import Decision, SpecPolicy, StepContext
 from .rows import RowInts
 from .sampling import TokenSampler
-from .scoring import score_drafters
+from .scoring import prime, score_drafters
 from .sequences import SequenceBatch
 from .stats import SpecStats, StepRecord
 from .stops import StopJudge
@@ -290,23 +290,6 @@ class DecodingLoop:
         self.streamed = max(self.streamed, end)
         if final:
             self.streamer.end()
-
-
-def prime(selector, target: CachedModel, drafters: list[Drafter], batch: SequenceBatch,
-          sampler: TokenSampler) -> float:
-    """Warm start: score every drafter on the selector's `prompt_positions` last prompt positions
-    (contexts the target prefills anyway) and hand it the gammas before the first decision. The
-    target stops one token short, so step 0 proceeds as usual. Returns seconds."""
-    width = min(getattr(selector, "prompt_positions", 0), int(batch.prompt_mask.sum(1).min()) - 1)
-    if width < 1:
-        return 0.0
-    t0 = time.perf_counter()
-    end = batch.active_lengths() - 1
-    logits = target.forward(*target.pending(batch, end), keep=width)      # predicts positions end-width+1 .. end
-    scores = sampler.scores(batch, logits, offset=-width)
-    gammas, _ = score_drafters(drafters, batch, end.tensor - width + 1, scores, sampler.do_sample)
-    selector.prime({row: gammas[i].tolist() for i, row in enumerate(batch.active.host)})
-    return time.perf_counter() - t0
 
 
 def host_read(numbers: torch.Tensor) -> list:
