@@ -6,14 +6,16 @@
         if results.done(cell):                        # resumed: already measured
             continue
         timing = interleaved(methods, lambda m: generate(target, factory, m, **inputs), rounds=3)
-        results.add(dict(cell, speed=speed(timing, "plain")))   # written at once
+        results.add(dict(cell, speed=speed(timing.seconds, "plain")))   # written at once
 
 `generate` runs a Transformers method (plain, `hf-assisted`) through Transformers' own
 `generate()` (the class's, so `hf_specdec.enable` cannot reroute it) and ours through the
 `custom_generate` hook. `interleaved` runs every method once a round, the order rotated by one
 each round, after an untimed warm-up round; speed is the median of per-round ratios to a
-reference method, with the min and max beside it. `arguments` and `ints` are the scripts' shared
-command-line pieces; `report.figure` their plotting.
+reference method, with the min and max beside it. `over_chunks` runs them interleaved over chunks of
+prompts and checks every row against plain (eval/identity.py); `forward_ms` times a model's forward
+by width. `arguments`, `parse` and `ints` are the scripts' shared command-line pieces, `check_identity`
+their verdict; plots go through `report.figure`.
 """
 from __future__ import annotations
 
@@ -196,12 +198,12 @@ class ForwardCounter:
         self._hook.remove()
 
 
-def arguments(doc: str, *envs: str) -> argparse.ArgumentParser:
-    """A benchmark's argument parser, `doc` (its module docstring) as the help; with `envs`
-    (the environment names the script knows), an --envs option defaulting to the first."""
+def arguments(doc: str, envs: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, `doc` (its module docstring) as the help; with `envs`, an
+    --envs option (comma-separated environment names) defaulting to it."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if envs:
-        parser.add_argument("--envs", default=envs[0], help=f"comma-separated, of {', '.join(envs)}")
+        parser.add_argument("--envs", default=envs, help="comma-separated environment names (above)")
     return parser
 
 

@@ -36,6 +36,6 @@ def test_tiny_run_writes_stamped_results_with_identity_verdicts_and_resumes(tmp_
     assert (tmp_path / "tiny.png").stat().st_size > 0
 
     # the same arguments again: every cell is there, nothing runs
-    monkeypatch.setattr(bench_generate, "interleaved", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(bench_generate, "over_chunks", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     bench_generate.main(argv)
     assert json.loads((tmp_path / "tiny.json").read_text())["cells"] == result["cells"]
