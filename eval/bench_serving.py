@@ -5,8 +5,8 @@
 
 Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-Instruct with
 prompt-lookup drafts on raw HumanEval prompts; --env qwen-coder: the real pair,
-Qwen2.5-Coder-1.5B-Instruct (bf16; --onednn: float32 on oneDNN linear layers) with the 0.5B as
-drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low rate)
+Qwen2.5-Coder-1.5B-Instruct (eval/envs.py; --onednn: float32 on oneDNN linear layers) with the 0.5B
+as drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low rate)
 whose output lengths are drawn per request (EOS ignored, as in trace replays). Policies
 (eval/methods.py names): plain (fixed:0), fixed k, the default (auto), Nightjar and AdaSpec (given the
 profile measured here), each a fresh object on the same stream, in the harness's order. Then the simulator
@@ -114,7 +114,7 @@ def main(argv=None):
     results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot_traces(
         path, phases, {c["policy"]: c["steps"] for c in payload["cells"]}),
                       resume=False)      # each policy's outputs are checked against plain's of the same run
-    results.payload.update(requests=len(requests), profile={"target": vars(prof.target), "prefill": vars(prefill)})
+    results.payload.update(title=env.title, requests=len(requests), profile={"target": vars(prof.target), "prefill": vars(prefill)})
     plain_outputs = {}
 
     def run(method) -> None:
@@ -157,8 +157,7 @@ def k_by_batch(steps) -> dict[int, float]:
 
 def markdown(payload) -> str:
     args, cells = payload["args"], payload["cells"]
-    setup = ("Qwen2.5-Coder-1.5B-Instruct bf16, 0.5B drafts" if args["env"] == "qwen-coder"
-             else "SmolLM2-135M-Instruct, prompt lookup drafts")
+    setup = payload["title"] + (", 0.5B drafts" if args["env"] == "qwen-coder" else ", prompt lookup drafts")
     lines = [f"# Serving, {setup}: phased stream {args['phases']} ({payload['requests']} requests), max batch "
              f"{args['max_batch']}\n",
              "identity: requests identical to the plain engine's output / first differing at a near-tie of the "

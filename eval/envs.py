@@ -3,8 +3,8 @@
     env = ENVS["qwen-coder-onednn"]()                  # Env(model, tokenizer, draft)
     inputs = encode(env.tokenizer, humaneval_texts(env.tokenizer, limit=4), chat=True)
 
-  qwen-coder   Qwen2.5-Coder-1.5B-Instruct (target) with the 0.5B as draft, bf16: the real pair
-               (fetched once, hf_specdec.embedded); qwen-coder-onednn: float32 on oneDNN linear
+  qwen-coder   Qwen2.5-Coder-1.5B-Instruct (target) with the 0.5B as draft: the real pair (fetched
+               once; load_model's kernels for this CPU); qwen-coder-onednn: float32 on oneDNN linear
                layers (CPUs without bf16 matrix instructions); qwen-coder-cpu: the demo's kernels
                for this CPU (hf_specdec.embedded.cpu_kernels)
   smollm2      the embedded SmolLM2-135M-Instruct (fp32); drafters derived from it (bf16, int8,
@@ -40,8 +40,8 @@ def qwen_coder(target: dict | None = None, draft: dict | None = None) -> Env:
     from hf_specdec.embedded import load_model
     model, tokenizer = load_model(QWEN[0], **(target or {}))
     small, _ = load_model(QWEN[1], **(draft or {}))
-    kernels = "float32 on oneDNN" if (target or {}).get("onednn") else "bf16"
-    return Env(model, tokenizer, small, title=f"Qwen2.5-Coder-1.5B-Instruct {kernels}")
+    onednn = ", oneDNN linear layers" if (target or {}).get("onednn") else ""
+    return Env(model, tokenizer, small, title=f"Qwen2.5-Coder-1.5B-Instruct {str(model.dtype)[6:]}{onednn}")
 
 
 def cpu_qwen_coder() -> Env:
