@@ -40,6 +40,7 @@ from transformers import GenerationConfig
 from hf_specdec import _compat
 from hf_specdec.cached_model import CachedModel
 from hf_specdec.loop import DecodingLoop
+from hf_specdec.rows import RowInts
 from hf_specdec.sequences import SequenceBatch
 from hf_specdec.testing import (QWEN2_SIZES, QWEN2_VOCAB, circle_continuation, circle_model, prompts,
                                 set_circle_alpha)
@@ -122,7 +123,7 @@ def forward_ms(model, ids: torch.Tensor, width: int, reps: int, compile_config=N
     runner = CachedModel(model)
     runner.reset(batch)
     runner.forward(ids, None, keep=1)                      # the prefill allocates the cache
-    nothing = torch.zeros(len(ids), dtype=torch.long, device=ids.device)
+    nothing = RowInts.full(len(ids), 0, ids.device)
     for _ in range(reps + 3):
         first = runner.num_slots
         sync()
@@ -130,7 +131,7 @@ def forward_ms(model, ids: torch.Tensor, width: int, reps: int, compile_config=N
         runner.forward(ids[:, -width:], None, keep=width)
         sync()
         times.append(time.perf_counter() - start)
-        runner.rollback(first, nothing, [0] * len(ids))     # the same slots again next time
+        runner.rollback(first, nothing)                     # the same slots again next time
     return 1e3 * statistics.median(times[3:])
 
 
