@@ -118,11 +118,11 @@ class DecodingLoop:
     def context(self, step: int, start: RowInts, room: RowInts) -> StepContext:
         """What the policy sees before step `step`, from the host's copy of the rows' numbers:
         the active rows' lengths `start` [n] and rooms [n]."""
-        batch = self.batch
+        batch, rows, first = self.batch, self.batch.active.tolist(), self.batch.real_starts.tolist()
         lags = [lag.max() for lag in (d.lag(batch) for d in self.drafters) if lag is not None]
-        real = start - batch.real_starts[batch.active]
-        return StepContext(step, len(start), len(self.drafters), batch.active.tolist(),
-                           context_tokens=sum(real.tolist()), max_lag=max(lags, default=0), remaining=room.max())
+        context_tokens = sum(length - first[row] for row, length in zip(rows, start.tolist()))   # (host numbers)
+        return StepContext(step, len(rows), len(self.drafters), rows, context_tokens=context_tokens,
+                           max_lag=max(lags, default=0), remaining=room.max())
 
     def step(self) -> StepRecord:
         """One step of the active rows: plan -> draft -> verify -> read -> advance -> observe (the

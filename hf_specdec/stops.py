@@ -107,7 +107,7 @@ class StopJudge:
 
     def cut(self, batch, rows: RowInts, start: RowInts, emitted: RowInts) -> None:
         """`find` and `apply` for rows whose lengths are already advanced (requests joining)."""
-        stops = self.find(batch.tokens, rows, start, emitted.tensor, emitted.max())
-        if stops is not None and max(stops := stops.tolist()) >= 0:
-            stops = RowInts.of(stops, rows.tensor.device)
+        found = self.find(batch.tokens, rows, start, emitted.tensor, emitted.max())
+        stops = None if found is None else RowInts(found, found.tolist())      # one host read
+        if stops is not None and stops.max() >= 0:
             batch.lengths[rows] = start + self.apply(batch, rows, start, emitted, stops)
