@@ -39,7 +39,7 @@ def _cpu_matmul() -> str:
     multiplies bf16 matrices in hardware: without it a bf16 forward over many tokens (a
     verification, a prefill) is several times slower, which moves every speed ratio here."""
     import torch
-    from hf_specdec.embedded import cpu_bf16_matmul
+    from hf_specdec.kernels import cpu_bf16_matmul
     bf16 = cpu_bf16_matmul()
     return f"{torch.backends.cpu.get_cpu_capability()}, {'bf16 matmul' if bf16 else 'no bf16 matmul'}"
 

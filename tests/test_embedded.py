@@ -101,25 +101,24 @@ def test_per_token_int8_computes_each_row_on_its_own_and_stays_lossless():
     assert torch.equal(out, per_token.generate(**kwargs))
 
 
-def test_cpu_kernels_pick_bf16_only_with_bf16_matrix_instructions():
-    from hf_specdec.embedded import cpu_bf16_matmul, cpu_kernels
+def test_the_flag_rule_picks_a_bf16_target_only_with_bf16_matrix_instructions():
+    from hf_specdec.kernels import cpu_bf16_matmul, rule_target
     amx = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
     avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
-    assert cpu_kernels(amx).target == cpu_kernels(amx).draft == {"dtype": torch.bfloat16} and cpu_bf16_matmul(amx)
-    assert cpu_kernels(avx2).target == {"onednn": True} and cpu_kernels(avx2).draft == {"int8": "dynamic"}
-    assert not cpu_bf16_matmul(avx2)
-    assert cpu_kernels("flags\t: avx512_bf16\n").target == {"dtype": torch.bfloat16}
+    assert rule_target(amx) == "bf16" and cpu_bf16_matmul(amx)
+    assert rule_target(avx2) == "onednn" and not cpu_bf16_matmul(avx2)
+    assert rule_target("flags\t: avx512_bf16\n") == "bf16"
 
 
 AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
 AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
 
 
-def test_default_kernels_follow_the_demo_for_bf16_models_and_leave_float32_ones():
-    from hf_specdec.embedded import cpu_kernels, default_kernels
+def test_default_kernels_follow_the_flag_rule_for_bf16_models_and_leave_float32_ones():
+    from hf_specdec.embedded import default_kernels
     qwen = "qwen2.5-coder-0.5b-instruct"
-    assert default_kernels(qwen, AMX)[0] == cpu_kernels(AMX).target == {"dtype": torch.bfloat16}
-    assert default_kernels(qwen, AVX512)[0] == cpu_kernels(AVX512).target == {"onednn": True}
+    assert default_kernels(qwen, AMX)[0] == {"dtype": torch.bfloat16}       # the flag rule: never a timing
+    assert default_kernels(qwen, AVX512)[0] == {"onednn": True}
     assert "int8" not in default_kernels(qwen, AVX512)[0]      # quantisation stays explicit
     for name in ("smollm2-135m-instruct", "gemma-3-270m"):
         for cpu in (AMX, AVX512):
@@ -134,8 +133,8 @@ def test_load_model_without_dtype_takes_the_cpu_choice_and_honours_an_explicit_o
     from hf_specdec import embedded
     name = "smollm2-135m-instruct"
     monkeypatch.setitem(embedded.MODELS, name, dataclasses.replace(embedded.MODELS[name], default_dtype="bfloat16"))
-    probe = embedded.cpu_bf16_matmul
-    monkeypatch.setattr(embedded, "cpu_bf16_matmul", lambda cpuinfo=None: probe(cpu))   # this CPU's flags: `cpu`
+    rule = embedded.rule_target
+    monkeypatch.setattr(embedded, "rule_target", lambda cpuinfo=None: rule(cpu))   # this CPU's flags: `cpu`
 
     def linears(model):
         return sum(type(m) is torch.nn.Linear for m in model.modules())

@@ -1,0 +1,137 @@
+"""The pair's CPU kernels follow the measured numbers (injected timings: no real timing here), the
+target leaves the flag rule only for a wide margin, and the choice is cached per machine."""
+import json
+
+import pytest
+import torch
+
+from hf_specdec import kernels
+from hf_specdec.embedded import cpu_kernels
+
+AVX2 = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma\n"
+AVX512 = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n"
+AVX512_BF16 = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16\n"
+AMX = "model name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+VERSIONS = {"torch": "2.13.0", "transformers": "5.24.0", "hf-specdec": "0.1.0"}
+
+# ms a forward of the full model: (role, kernel) -> (batch 1 at width 1, at 6; batch 8 at width 1, at 6).
+# Shaped after what each CPU kind showed (DESIGN.md's table, docs/results/step_budget, cpu_matmul):
+# without bf16 units bf16 is emulated (cheap at one row, several times dearer at several); int8
+# weights make the draft a fraction of a float32 one where fbgemm has VNNI.
+KINDS = {
+    "avx2-only": (AVX2, {
+        ("target", "bf16"): (420, 2300, 2900, 14000), ("target", "onednn"): (450, 700, 800, 2600),
+        ("draft", "bf16"): (150, 0, 950, 0), ("draft", "onednn"): (160, 0, 280, 0), ("draft", "int8"): (90, 0, 200, 0)},
+        ("onednn", "int8")),
+    "avx512-no-bf16": (AVX512, {
+        ("target", "bf16"): (380, 1900, 2400, 11000), ("target", "onednn"): (348, 515, 560, 1900),
+        ("draft", "bf16"): (130, 0, 800, 0), ("draft", "onednn"): (144, 0, 230, 0), ("draft", "int8"): (49, 0, 90, 0)},
+        ("onednn", "int8")),
+    "avx512-bf16-no-amx": (AVX512_BF16, {
+        ("target", "bf16"): (209, 245, 330, 900), ("target", "onednn"): (330, 480, 520, 1700),
+        ("draft", "bf16"): (95, 0, 150, 0), ("draft", "onednn"): (130, 0, 210, 0), ("draft", "int8"): (38, 0, 70, 0)},
+        ("bf16", "int8")),
+    "amx": (AMX, {
+        ("target", "bf16"): (300, 330, 380, 600), ("target", "onednn"): (420, 600, 650, 2000),
+        ("draft", "bf16"): (40, 0, 55, 0), ("draft", "onednn"): (150, 0, 240, 0), ("draft", "int8"): (60, 0, 90, 0)},
+        ("bf16", "bf16")),
+}
+
+
+def table_timer(table: dict, calls: list | None = None):
+    """A kernels.Timer reading `table`; appends each call to `calls`."""
+    def timer(role, kernel, batch, width):
+        if calls is not None:
+            calls.append((role, kernel, batch, width))
+        one, wide, one8, wide8 = table[role, kernel]
+        return {(1, 1): one, (1, 6): wide, (8, 1): one8, (8, 6): wide8}[batch, width]
+    return timer
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_choice_follows_the_numbers_on_each_cpu_kind(kind):
+    cpuinfo, table, expected = KINDS[kind]
+    choice = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=VERSIONS)
+    assert (choice.target_kernel, choice.draft_kernel) == expected
+    assert choice.target == kernels.load_arguments(expected[0]) and choice.draft == kernels.load_arguments(expected[1])
+    assert f"draft {expected[1]}" in choice.why and "tokens/s" in choice.why
+    # the draft changes no output: the cheaper draft wins whatever it is
+    other = next(d for d in kernels.ROLES["draft"] if d != expected[1])
+    cheaper = {**table, ("draft", other): (20, 0, 30, 0)}
+    choice = kernels.choose(kernels.measure(table_timer(cheaper)), kernels.rule_target(cpuinfo))
+    assert choice.draft_kernel == other and choice.target_kernel == expected[0]
+
+
+def test_the_target_leaves_the_flag_rule_only_for_a_wide_margin():
+    cpuinfo, table, _ = KINDS["avx512-bf16-no-amx"]
+    assert kernels.rule_target(cpuinfo) == "bf16"
+    slightly = dict(table)     # float32 through oneDNN a little faster than bf16: inside the margin
+    slightly["target", "onednn"] = tuple(ms * 0.9 for ms in table["target", "bf16"])
+    assert kernels.choose(kernels.measure(table_timer(slightly)), "bf16").target_kernel == "bf16"
+    much = dict(table)
+    much["target", "onednn"] = tuple(ms * 0.5 for ms in table["target", "bf16"])
+    choice = kernels.choose(kernels.measure(table_timer(much)), "bf16")
+    assert choice.target_kernel == "onednn" and "not the flag rule's bf16" in choice.why
+
+
+def test_speculation_off_when_no_draft_pays():
+    _, table, _ = KINDS["avx512-no-bf16"]
+    timings = kernels.measure(table_timer(table))
+    plain = 1e3 / table["target", "onednn"][0]
+    assert kernels.modelled_speed(timings, "onednn", "int8", 1) > 1.5 * plain
+    dear = {**table, ("draft", "int8"): (2000, 0, 4000, 0)}
+    assert kernels.modelled_speed(kernels.measure(table_timer(dear)), "onednn", "int8", 1) == pytest.approx(plain)
+
+
+def test_the_cache_is_used_on_the_second_call_and_dropped_when_the_cpu_or_versions_change(tmp_path):
+    cpuinfo, table, expected = KINDS["avx512-bf16-no-amx"]
+    calls = []
+    first = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=VERSIONS)
+    assert len(calls) == 2 * 4 + 3 * 2        # target: 2 kernels x 2 batches x 2 widths; draft: 3 x 2 x 1
+    saved = json.loads((tmp_path / "cpu_kernels.json").read_text())
+    assert saved["choice"]["timings"]["draft"]["int8"]["1x1"] == 38 and "avx512_bf16" in saved["key"]["cpu"]
+
+    def never():
+        raise AssertionError("measured again though the cache holds this machine")
+    again = cpu_kernels(cpuinfo, make_timer=never, versions=VERSIONS)
+    assert again == first
+
+    amx_cpu, amx_table, amx_expected = KINDS["amx"]
+    assert (cpu_kernels(amx_cpu, make_timer=lambda: table_timer(amx_table), versions=VERSIONS).draft_kernel
+            == amx_expected[1])                                      # another CPU string: measured
+    calls.clear()
+    newer = {**VERSIONS, "transformers": "5.25.0"}
+    assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=newer) == first
+    assert calls                                                   # other versions: measured again
+    (tmp_path / "cpu_kernels.json").write_text("{not json")
+    assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=newer) == first
+
+
+def test_the_forward_timer_times_the_real_architecture_at_full_depth_with_each_kernel():
+    """A small Qwen2 config: full time = head + decoder x layers / depth, by an injected clock."""
+    from transformers import Qwen2Config
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    ticks = iter(range(10_000))
+    timer = kernels.ForwardTimer({"target": config}, depth=2, repeats=1, clock=lambda: float(next(ticks)))
+    rng_before = torch.random.get_rng_state()
+    for kernel in kernels.ROLES["draft"]:
+        # each forward takes one tick (1 s), the 2-layer decoder's and the head's alike
+        assert timer("target", kernel, 2, 3) == pytest.approx(1e3 * (1 + 12 / 2))
+        model = timer._model("target", kernel)
+        assert model.config.num_hidden_layers == 2
+        linear = type(model.model.layers[0].mlp.up_proj)
+        assert linear.__name__ == {"bf16": "Linear", "onednn": "MkldnnLinear", "int8": "Linear"}[kernel]
+        assert ("quantized" in linear.__module__) == (kernel == "int8")
+        assert model.dtype == (torch.bfloat16 if kernel == "bf16" else torch.float32)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)     # the caller's random state untouched
+
+
+def test_cpu_kind_names_each_kind_seen_so_far():
+    assert [kernels.cpu_kind(KINDS[k][0]) for k in KINDS] == ["avx2", "avx512", "avx512-bf16", "amx"]
+    assert kernels.cpu_kind("flags\t: sse2\n") == "other"
