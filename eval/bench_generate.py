@@ -15,6 +15,10 @@ chunk). Times are summed over chunks; the spread is that of the per-chunk ratios
 per method: target forwards per call and milliseconds per target forward (the call's time over
 its target forwards). Greedy; every row is compared with plain and a divergence is re-scored on
 plain's prefix (eval/identity.py): identical, diverged at a near-tie, or other (a bug).
+With --plain-kernels (qwen-coder envs), the target is loaded once more with each named kernel
+(hf_specdec.kernels.KERNELS) and Transformers' plain generate() on it runs as `plain-<kernel>`,
+interleaved with the rest: plain at its fastest kernels, where those are not the ones the pair
+runs with. Its rows are another model's numbers: compared with plain for information, not checked.
 Writes docs/results/bench_generate/<name>.{json,md,png}, stamped with commit, versions and
 machine, after each (env, batch) cell; a rerun with the same arguments resumes.
 """
@@ -25,11 +29,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from envs import ENVS, encode, humaneval_texts, random_ids
+from hf_specdec.kernels import KERNELS, load_arguments
+from envs import ENVS, QWEN, encode, humaneval_texts, random_ids
 from harness import (ForwardCounter, Results, arguments, check_identity, generate, ints,  # eval/ is on sys.path
                      over_chunks, parse)
 from identity import counts
-from methods import MethodFactory, parse_methods
+from methods import Method, MethodFactory, parse_methods
 from report import figure, method_bars
 
 logger = logging.getLogger("bench_generate")
@@ -73,6 +78,10 @@ def run_env(name, args, results: Results):
     env = ENVS[name]()
     model, make_inputs = env.model, batches(name, env, args)
     factory = MethodFactory(model, draft_model=env.draft)        # drafters and policies live for the whole run
+    others = {}                                                  # "plain-<kernel>" -> the target with that kernel
+    if name.startswith("qwen-coder"):
+        from hf_specdec.embedded import load_model
+        others = {f"plain-{k}": load_model(QWEN[0], **load_arguments(k))[0] for k in args.plain_kernels}
     forwards = ForwardCounter(model)
     warm = False
     for batch in args.batch_sizes:
@@ -80,18 +89,19 @@ def run_env(name, args, results: Results):
             continue
         parts = make_inputs(batch)
         # Transformers' assisted generation refuses batch > 1
-        methods = [m for m in args.methods if batch == 1 or m.ours or m.policy is None]
+        methods = [m for m in args.methods if batch == 1 or m.ours or m.policy is None] + [Method(o) for o in others]
         calls = {m.name: [] for m in methods}                    # per call: (target forwards, MAT numbers)
         chosen = {m.name: {} for m in methods}                   # ours: steps per draft length k
         if not warm:                                             # first use: caches, profiles, kernels
             for method in methods:
-                generate(model, factory, method, **parts[0], max_new_tokens=2, do_sample=False)
+                generate(others.get(method.name, model), factory, method, **parts[0], max_new_tokens=2,
+                         do_sample=False)
             warm = True
 
         def run(method, inputs):
             forwards.count = 0
-            out = generate(model, factory, method, **inputs, max_new_tokens=args.max_new_tokens,
-                           do_sample=False, return_dict_in_generate=True)
+            out = generate(others.get(method.name, model), factory, method, **inputs,
+                           max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
             stats = getattr(out, "spec_stats", None)
             calls[method.name].append((forwards.count, (stats.tokens_generated, sum(r.batch_size for r in
                                                                                     stats.steps)) if stats else None))
@@ -162,10 +172,15 @@ def main(argv=None):
     parser.add_argument("--methods", default=METHODS, help="plain first, then eval/methods.py names")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--plain-kernels", default="", help=f"plain generate() also on the target loaded with "
+                        f"these kernels ({', '.join(KERNELS)}; qwen-coder envs)")
     parser.add_argument("--name", default=None, help="output name (default: the envs)")
     parser.add_argument("--out-dir", default="docs/results/bench_generate")
     args = parse(parser, argv, ENVS)
     args.batch_sizes = ints(args.batch_sizes)
+    args.plain_kernels = [k for k in args.plain_kernels.split(",") if k]
+    if any(k not in KERNELS for k in args.plain_kernels):
+        parser.error(f"--plain-kernels: names among {', '.join(KERNELS)}, got {args.plain_kernels}")
     try:
         args.methods = parse_methods(args.methods, first="plain")
     except ValueError as e:
@@ -176,7 +191,8 @@ def main(argv=None):
     for env in args.envs.split(","):
         run_env(env, args, results)
     print(markdown(results.payload))
-    check_identity({f"{c['env']} batch {c['batch']} {m}": r for c in results.cells for m, r in c["methods"].items()})
+    check_identity({f"{c['env']} batch {c['batch']} {m}": r for c in results.cells for m, r in c["methods"].items()
+                    if not m.startswith("plain-")})
 
 
 if __name__ == "__main__":

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_specdec.embedded import QWEN_PAIR as QWEN
 from hf_specdec.testing import build, exact_cheap_pair, noisy_copy
 from humaneval_data import load_problems, prompt_text
 
-QWEN = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 
 @dataclass(frozen=True)

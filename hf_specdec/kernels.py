@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import statistics
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -124,11 +125,13 @@ def choose(timings: dict, rule: str, acceptance: float = ACCEPTANCE) -> CpuKerne
     target = rival if best[rival] > TARGET_MARGIN * best[rule] else rule
     draft = best_draft[target]
     plain = [1e3 * b / timings["target"][target][f"{b}x1"] for b in BATCHES]
-    modelled = ", ".join(f"batch {b}: {s:.2f} tokens/s (plain {p:.2f})" for b, s, p in zip(BATCHES, speeds[target, draft], plain))
+    modelled = ", ".join(f"batch {b}: {s:.2f} tokens/s (plain {p:.2f})"
+                         for b, s, p in zip(BATCHES, speeds[target, draft], plain))
     drafts = ", ".join(f"{d} {timings['draft'][d]['1x1']:.0f}" for d in ROLES["draft"])
     targets = ", ".join(f"{t} {timings['target'][t]['1x1']:.0f}/{timings['target'][t][f'1x{K + 1}']:.0f}"
                         for t in ROLES["target"])
-    kept = "the flag rule's" if target == rule else f"not the flag rule's {rule}: {best[target] / best[rule]:.2f}x its score"
+    kept = ("the flag rule's" if target == rule
+            else f"not the flag rule's {rule}: {best[target] / best[rule]:.2f}x its score")
     why = (f"measured: target {target} ({kept}), draft {draft}; modelled at acceptance {acceptance}: {modelled}; "
            f"ms a forward at batch 1: target 1/{K + 1} tokens {targets}; draft {drafts}")
     return CpuKernels(target_kernel=target, draft_kernel=draft, why=why, timings=timings,
@@ -169,14 +172,17 @@ def cached_choice(path: Path, make_timer: Callable[[], Timer], cpuinfo: str | No
             choice = CpuKernels(**saved["choice"])
             logger.info("CPU kernels from %s: %s", path, choice.why)
             return choice
-        logger.info("CPU kernels: %s holds another machine or versions (%s); measuring again", path, saved.get("key"))
+        logger.info("CPU kernels: %s holds another machine or versions (%s); measuring again",
+                    path, saved.get("key"))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     start = time.perf_counter()
     choice = choose(measure(make_timer()), rule_target(cpuinfo))
     logger.info("CPU kernels measured in %.0f s: %s", time.perf_counter() - start, choice.why)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "choice": asdict(choice)}, indent=1))
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+        json.dump({"key": key, "choice": asdict(choice)}, out, indent=1)
+    Path(out.name).replace(path)         # whole or not at all: another process may read it meanwhile
     return choice
 
 
