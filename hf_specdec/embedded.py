@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kernels import (CpuKernels, ForwardTimer, cached_choice, cpu_bf16_matmul, load_arguments, rule_target,
+from .kernels import (CpuKernels, ForwardTimer, cached_choice, load_arguments, rule_target,
                       use_int8_linears, use_onednn_linears)
 
 logger = logging.getLogger(__name__)

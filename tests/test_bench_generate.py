@@ -39,3 +39,10 @@ def test_tiny_run_writes_stamped_results_with_identity_verdicts_and_resumes(tmp_
     monkeypatch.setattr(bench_generate, "over_chunks", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     bench_generate.main(argv)
     assert json.loads((tmp_path / "tiny.json").read_text())["cells"] == result["cells"]
+
+
+def test_plain_kernels_must_be_kernel_names(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        bench_generate.main(["--envs", "tiny-exact", "--plain-kernels", "fp8"])
+    assert "--plain-kernels" in capsys.readouterr().err
