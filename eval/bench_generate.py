@@ -130,7 +130,8 @@ def run_env(name, args, results: Results):
             ref = rows.get(f"hf-assisted:{method.k or 5}@{method.drafter}") if method.ours else None
             rows[method.name]["vs_hf_assisted"] = round(rows[method.name]["tokens_per_s"] / ref["tokens_per_s"], 3) \
                 if ref else None
-        results.add({"env": name, "batch": batch, "chunks": len(parts), "tokens": tokens, "methods": rows})
+        results.add({"env": name, "title": env.title, "batch": batch, "chunks": len(parts), "tokens": tokens,
+                     "methods": rows})
         logger.info("%s batch %d: %s", name, batch, {m: r["vs_plain"] for m, r in rows.items()})
     forwards.close()
 

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,8 @@ def qwen_coder(target: dict | None = None, draft: dict | None = None) -> Env:
 def cpu_qwen_coder() -> Env:
     from hf_specdec.embedded import cpu_kernels
     kernels = cpu_kernels()
-    return qwen_coder(kernels.target, kernels.draft)
+    env = qwen_coder(kernels.target, kernels.draft)
+    return dataclasses.replace(env, title=f"{env.title}; draft {kernels.draft_kernel} (measured: cpu_kernels)")
 
 
 def smollm2() -> Env:

@@ -135,3 +135,16 @@ def test_the_forward_timer_times_the_real_architecture_at_full_depth_with_each_k
 def test_cpu_kind_names_each_kind_seen_so_far():
     assert [kernels.cpu_kind(KINDS[k][0]) for k in KINDS] == ["avx2", "avx512", "avx512-bf16", "amx"]
     assert kernels.cpu_kind("flags\t: sse2\n") == "other"
+
+
+def test_the_timed_architectures_are_the_real_pair_at_real_size():
+    """Built on the meta device (no memory): Qwen2.5-Coder 1.5B and 0.5B parameter counts."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hf_specdec.embedded import MODELS, QWEN_PAIR
+    counts = []
+    for name in QWEN_PAIR:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**MODELS[name].config))
+        counts.append(sum(p.numel() for p in model.parameters()) / 1e9)
+    assert counts == [pytest.approx(1.54, abs=0.01), pytest.approx(0.49, abs=0.01)]
