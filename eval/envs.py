@@ -26,7 +26,6 @@ from hf_specdec.testing import build, exact_cheap_pair, noisy_copy
 from humaneval_data import load_problems, prompt_text
 
 
-
 @dataclass(frozen=True)
 class Env:
     model: object                    # the target
