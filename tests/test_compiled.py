@@ -160,6 +160,9 @@ def test_real_inductor_on_the_cpu_is_exact_and_compiles_once():
     assert graphs == [1, 0]
 
 
+SLEEPS = []   # one entry per compiled graph's first call (_sleeping_backend)
+
+
 def _sleeping_backend(graph_module, example_inputs, **options):
     """Dynamo's eager backend, but a graph's first call sleeps 0.3 s (as a GPU compiles or records)."""
     first = [True]
@@ -167,6 +170,7 @@ def _sleeping_backend(graph_module, example_inputs, **options):
     def run(*args):
         if first[0]:
             time.sleep(0.3)
+            SLEEPS.append(0.3)
             first[0] = False
         return graph_module(*args)
     return run
@@ -179,13 +183,17 @@ def test_steps_that_compiled_are_marked_and_no_policy_cost():
     config = CompileConfig(fullgraph=True, backend=_sleeping_backend)
     config._compile_all_devices = True
     policy = hf_specdec.SpecPolicy(length=hf_specdec.MeasuredGoodput())
+    SLEEPS.clear()
     out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=40, do_sample=False,
                cache_implementation="static", compile_config=config, return_dict_in_generate=True)
     steps = out.spec_stats.steps
-    assert [s.step for s in steps if s.seconds > 0.25] and all(s.warmup for s in steps if s.seconds > 0.25)
+    # no wall-clock bound (a busy machine slows any step): the compiling steps' sleeps lie in the
+    # steps marked warmup (load only adds to them), and no marked step reaches the policy's costs
+    warmup = [s.seconds for s in steps if s.warmup]
+    assert SLEEPS and sum(warmup) >= sum(SLEEPS)
     assert not all(s.warmup for s in steps)
     measured = [t for costs in policy.length.buckets.values() for arm in costs.seconds.values() for t in arm]
-    assert measured and max(measured) < 0.25
+    assert measured and not set(measured) & set(warmup)
 
 
 def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch):
