@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_specdec.kernels import cpu_bf16_matmul, cpu_kind
+from hf_specdec.kernels import cpu_bf16_matmul, cpu_kind, load_arguments
 from envs import encode, qwen_coder
 from harness import Results, arguments, forward_ms, generate, over_chunks, parse  # eval/ is on sys.path
 from humaneval_data import load_problems, prompt_text
@@ -37,11 +37,11 @@ logger = logging.getLogger("step_budget")
 # name -> (target's load_model arguments, the draft's)
 KERNELS = {
     "fp32": ({"dtype": torch.float32}, {"dtype": torch.float32}),
-    "onednn": ({"onednn": True}, {"onednn": True}),
-    "onednn+int8-draft": ({"onednn": True}, {"int8": "dynamic"}),
+    "onednn": (load_arguments("onednn"), load_arguments("onednn")),
+    "onednn+int8-draft": (load_arguments("onednn"), load_arguments("int8")),
     "int8-per-token": ({"int8": "per-token"}, {"int8": "per-token"}),
-    "bf16": ({"dtype": torch.bfloat16}, {"dtype": torch.bfloat16}),
-    "bf16+int8-draft": ({"dtype": torch.bfloat16}, {"int8": "dynamic"}),
+    "bf16": (load_arguments("bf16"), load_arguments("bf16")),
+    "bf16+int8-draft": (load_arguments("bf16"), load_arguments("int8")),
 }
 SETTINGS = ("plain," + ",".join(f"fixed:{k}@draft" for k in range(9)) + ",fixed:4@pld,fixed:8@pld,fixed:4@hier,"
             "auto@draft,auto@hier")
