@@ -35,6 +35,29 @@ def test_first_call_is_near_the_best_fixed_length_or_plain(costs, acceptance, ba
     assert first >= floor * max(fixed.values()), (first / max(fixed.values()), fixed)
 
 
+# compiled forwards on an H200 (docs/results/bench_gpu/h200.md), in batch-1 plain steps: the 7B
+# target nearly flat in rows x width, the 0.5B draft a third of it, a wide catch-up run eager
+H200 = RelativeCosts(target_base=1.0, target_per_token=0.005, draft_base=0.36, draft_per_token=0.001,
+                     catch_up=2.7, prefill_per_token=0.018)
+
+
+def test_catch_ups_learned_at_batch_1_do_not_keep_batch_16_plain():
+    """A catch-up at batch 16 is one batched forward: priced from batch-1 catch-ups per row-token,
+    it looked 16 times dearer than it is, and the policy never drafted there (the H200 run)."""
+    def calls(policy, batch):
+        sims = [Simulator(H200, policy, 0.8, max_batch=16, seed=s, noise=0.1) for s in range(3)]
+        runs = [sim.call(64, [64] * batch) for sim in sims]
+        tokens = sum(r.tokens for run in runs for r in run.requests)
+        ks = [s.k for run in runs for s in run.steps]
+        return tokens / sum(max(r.finish for r in run.requests) for run in runs), sum(ks) / len(ks)
+
+    policy = MeasuredGoodput()
+    calls(policy, 1)
+    speed, mean_k = calls(policy, 16)
+    plain, _ = calls(hf_specdec.FixedLength(0), 16)
+    assert mean_k > 0.5 and speed > 1.03 * plain, (mean_k, speed / plain)
+
+
 def test_plain_is_no_dead_end_and_probes_thin_out():
     """No length pays while drafts are rejected: plain steps, with probes further and further apart
     (up to a cap); once drafts are accepted again, probes see it and drafting resumes."""

@@ -28,10 +28,12 @@ Exploration, cheap and bounded:
     take for their tokens), then 16 times, 32 and 64 at most: probes take a small share of the
     time, and plain is no dead end (DSD's deadlock at k = 0);
   - steps that catch a draft up (a call's first drafts, or after plain steps: lag > 3) are not an
-    arm's cost: their drafting time's excess over a steady step's, per lagged token, is the
-    switching cost (before any was measured: the target's prefill per prompt token, scaled by a
-    draft forward's share of a plain step), and switching on from plain must save more over the
-    tokens left (StepContext.remaining) than it costs (Nightjar's C_switch).
+    arm's cost: their drafting time's excess over a steady step's, per lagged token and in plain
+    steps of their bucket, is the switching cost (a bucket without one borrows the nearest
+    bucket's: a batched forward over B rows costs what the plain steps say, not B times one row's,
+    which on a GPU is nearly one row's; before any was measured: the target's prefill per prompt
+    token, scaled by a draft forward's share of a plain step), and switching on from plain must save
+    more over the tokens left (StepContext.remaining) than it costs (Nightjar's C_switch).
 Measured against Nightjar and fixed lengths in docs/benchmarks.md ("The default policy").
 """
 from __future__ import annotations
@@ -58,7 +60,8 @@ class _BucketCosts:
         self.patience = PATIENCE  # plain time before a probe, in probe costs (doubles after each)
         self.probe_left = 0       # steps of the current probe still to run
         self.draft_seconds: deque = deque(maxlen=window)    # drafting seconds per draft, in steady steps
-        self.catch_up = None      # (k, drafting seconds, lag x rows) of a catch-up step not yet weighed
+        self.catch_up = None      # (k, drafting seconds, lag) of a catch-up step not yet weighed
+        self.catch_up_per_lag: deque = deque(maxlen=window)   # a catch-up's excess, plain steps per lagged token
 
     def add(self, k: int, seconds: float) -> None:
         self.seconds.setdefault(k, deque(maxlen=self.window)).append(seconds)
@@ -113,7 +116,6 @@ class MeasuredGoodput(LengthPolicy):
         self.proposing, self.asked = 1.0, 1.0
         self.buckets: dict[int, _BucketCosts] = {}
         self.prefill_per_token = 0.0     # seconds per prompt token of the last call's step 0
-        self.catch_up_per_token: deque = deque(maxlen=window)   # a catch-up's excess seconds per row-token
 
     @property
     def acceptance(self) -> float:
@@ -189,13 +191,15 @@ class MeasuredGoodput(LengthPolicy):
 
     def _catch_up(self, ctx: StepContext) -> float:
         """Seconds a draft lagging ctx.max_lag tokens per row takes to catch up: as measured before
-        per lagged token, else as the target's prefill took per prompt token, scaled by what a
-        draft forward costs of a plain step."""
-        if self.catch_up_per_token:
-            per_token = statistics.median(self.catch_up_per_token)
-        else:
-            per_token = self.prefill_per_token * self._draft_share()
-        return per_token * ctx.max_lag * ctx.batch_size
+        per lagged token in plain steps, in this bucket or the nearest one, times this bucket's
+        plain step; else as the target's prefill took per prompt token, scaled by what a draft
+        forward costs of a plain step."""
+        key = pow2_bucket(ctx.batch_size)
+        for other in sorted(self.buckets, key=lambda b: abs(b.bit_length() - key.bit_length())):
+            if self.buckets[other].catch_up_per_lag:
+                per_lag = statistics.median(self.buckets[other].catch_up_per_lag)
+                return per_lag * ctx.max_lag * self._costs(ctx.batch_size).measured()[0]
+        return self.prefill_per_token * self._draft_share() * ctx.max_lag * ctx.batch_size
 
     def _draft_share(self) -> float:
         """A draft forward's seconds over a plain step's, in any bucket that measured both."""
@@ -214,23 +218,23 @@ class MeasuredGoodput(LengthPolicy):
             self.asked = d * self.asked + record.batch_size
         if not sum(record.emitted) or record.warmup:
             return
-        costs, tokens = self._costs(record.batch_size), record.lag * record.batch_size
+        costs = self._costs(record.batch_size)
         if record.k and record.lag > STEADY_LAG:     # caught a draft up (a call's first drafts too)
-            costs.catch_up = (record.k, record.draft_s, tokens)
+            costs.catch_up = (record.k, record.draft_s, record.lag)
         elif record.step == 0:                # step 0 also prefilled the prompt: no arm's cost
-            self.prefill_per_token = record.seconds / max(tokens, 1)
+            self.prefill_per_token = record.seconds / max(record.lag * record.batch_size, 1)
         else:
             costs.add(record.k, record.seconds)
             if record.k:
                 costs.draft_seconds.append(record.draft_s / record.k)
             else:
                 costs.plain_seconds += record.seconds
-        if costs.catch_up is not None and costs.draft_seconds:
+        if costs.catch_up is not None and costs.draft_seconds and 0 in costs.seconds:
             # its excess over drafting k tokens in step is the switching cost
-            k, seconds, tokens = costs.catch_up
+            k, seconds, lag = costs.catch_up
             costs.catch_up = None
             excess = seconds - k * statistics.median(costs.draft_seconds)
-            self.catch_up_per_token.append(max(excess, 0.0) / tokens)
+            costs.catch_up_per_lag.append(max(excess, 0.0) / lag / costs.measured()[0])
 
     def __repr__(self):
         return f"MeasuredGoodput(max_len={self.max_len}, acceptance={self.acceptance:.2f})"
