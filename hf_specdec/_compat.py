@@ -105,6 +105,8 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
         return None
     if getattr(model, "_is_stateful", False):
         return "stateful (recurrent)"
+    if bidirectional(model):
+        return "bidirectional attention (is_decoder=False)"
     kinds = layer_kinds(model)
     # "dummy": a layer that reads another layer's K/V (Gemma 4's KV sharing) and keeps none
     other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention", "dummy"})
@@ -116,6 +118,21 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
     if windows and attn_implementation(model) not in ("sdpa", "eager"):
         return f"sliding-window (attn_implementation={attn_implementation(model)!r})"
     return None
+
+
+def bidirectional(model: torch.nn.Module) -> bool:
+    """An encoder-style model (BERT, RoBERTa, ...) loaded as a causal LM without
+    `config.is_decoder=True` attends both ways (Transformers warns at load): verifying k + 1 tokens
+    in one forward lets each see the later drafts, which one-token decoding never does."""
+    return getattr(model.config, "is_decoder", True) is False and _init_reads_is_decoder(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _init_reads_is_decoder(cls) -> bool:
+    try:
+        return "is_decoder" in inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
 
 
 def _refuse_unsupported(model: torch.nn.Module) -> None:

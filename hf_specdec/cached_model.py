@@ -12,8 +12,8 @@ that a catch-up forward feeds before anything new (after speculation was off, or
 was used, the lag is long; in steady state it is the 1-2 tokens of the last step).
 
 Where the slots live is a storage's (`slots.py`): a dynamic cache, cropped, or a static one
-(`batch.static_cache`: Transformers' `cache_implementation="static"`), preallocated, kept across
-calls and, on an accelerator, run by compiled forwards.
+(`batch.static_cache`: Transformers' `cache_implementation="static"`), preallocated, lent to the
+call from the target's `Kept` (kept.py) and, on an accelerator, run by compiled forwards.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from . import _compat
 from .rows import RowInts
 from .sequences import SequenceBatch
-from .slots import DynamicSlots, static_slots
+from .slots import DynamicSlots, StaticSlots
 
 
 class CachedModel:
@@ -48,8 +48,9 @@ class CachedModel:
         n = len(batch.active)
         self.forwards = 0
         if batch.static_cache:
-            self.slots = static_slots(self.model, batch.call, self)
-            self.slots.reset(self.model, n, batch.max_length, batch.compile_config, self.device)
+            if not isinstance(self.slots, StaticSlots):      # lent for the call (`close` gives it back)
+                self.kept, self.slots = batch.kept, batch.kept.storages.take(self.model, StaticSlots)
+            self.slots.reset(self.model, n, batch.max_length, batch.compile_config, self.device, batch.warmups)
         else:
             self.slots = DynamicSlots(self.model, n, self.device)
         self.static = batch.static_cache
@@ -64,6 +65,12 @@ class CachedModel:
         forwards = self.forwards
         self.reset(batch)
         self.forwards = forwards
+
+    def close(self) -> None:
+        """The call ends: a static storage goes back to the target's Kept, for the next call."""
+        if isinstance(self.slots, StaticSlots):
+            self.kept.storages.give(self.model, self.slots)
+        self.slots = None
 
     @property
     def num_slots(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,15 @@ def width_tier(width: int) -> int | None:
     return next((w for w in WIDTH_TIERS if w >= width), None)
 
 
+@dataclass
+class WarmupCount:
+    """Compiled calls of one generate() call that were among the first WARMUP_CALLS of their
+    concrete shape (on a GPU: compiling or recording, not a steady cost): a step during which it
+    moved held one (`StepRecord.warmup`). Per call: another call's compiles are not this one's."""
+
+    calls: int = 0
+
+
 def rows_bucket(rows: int) -> int:
     """The rows a compiled forward of `rows` real rows runs: a power of two, at least MIN_ROWS."""
     return max(MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
@@ -53,11 +63,7 @@ class CompiledForwards:
 
     `dynamic`: the config's True makes every size symbolic; otherwise (Transformers' default False,
     or None) the rows and the width are marked dynamic here and other sizes (the cache's capacity)
-    follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile.
-    `all_warmups` counts calls, over every model, that were among the first WARMUP_CALLS of their
-    concrete shape (on a GPU: compiling or recording, not a steady cost)."""
-
-    all_warmups = 0
+    follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile."""
 
     def __init__(self, compile_config):
         options = compile_config.to_dict()
@@ -69,9 +75,10 @@ class CompiledForwards:
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,
-                 cache_address: int) -> torch.Tensor:
+                 cache_address: int, warmups: WarmupCount) -> torch.Tensor:
         """A copy of the logits [rows, width, vocab] of a forward (inputs already padded to a
-        compiled shape; cache_address: where the cache's tensors are, part of what a graph records)."""
+        compiled shape; cache_address: where the cache's tensors are, part of what a graph records;
+        warmups: the calling generate() call's count, moved if this call is a warm-up)."""
         # attention_mask: the slot mask [rows, slots], or with sliding windows 4-D masks
         # [rows, 1, width, slots] (one, or one per layer kind)
         masks = list(attention_mask.values()) if isinstance(attention_mask, dict) else [attention_mask]
@@ -86,7 +93,7 @@ class CompiledForwards:
         key = (*input_ids.shape, masks[0].shape[-1], cache_address)
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if calls <= WARMUP_CALLS:
-            CompiledForwards.all_warmups += 1
+            warmups.calls += 1
         logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
         return logits.clone()          # the next call overwrites a CUDA graph's outputs
 
@@ -102,8 +109,3 @@ def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForward
         per_config[key] = CompiledForwards(compile_config)
     return per_config[key]
 
-
-def warmup_calls() -> int:
-    """Compiled calls so far, over every model, that were warm-ups of their shape: a step during
-    which this moved held one (`StepRecord.warmup`)."""
-    return CompiledForwards.all_warmups       # (read twice a step: a counter, not a sum over models)

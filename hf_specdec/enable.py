@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
+import weakref
 
 import torch
 
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from . import assisted, slots, transformers_loop
+from . import assisted, kept, transformers_loop
 from .generate import check_spec_args
 from .generate import generate as spec_generate
 
@@ -46,12 +48,17 @@ def enable(model, loop: str = "hf_specdec"):
         return model
     setattr(model, _LOOP_ATTR, loop)
     # an instance-level generate (e.g. from a custom_generate repo) is kept and restored by disable
-    setattr(model, _ATTR, model.__dict__.get("generate"))
-    original = model.generate
+    previous = model.__dict__.get("generate")
+    setattr(model, _ATTR, previous)
+    # the wrapper holds the model weakly (and the class's function, not a bound method): no
+    # reference cycle, so a model dropped while enabled is freed without gc.collect()
+    ref, function = weakref.ref(model), type(model).generate
 
-    @functools.wraps(original)
+    @functools.wraps(function)
     def generate(*args, **kwargs):
-        return call(model, original, args, kwargs)
+        target = ref()
+        original = previous if previous is not None else types.MethodType(function, target)
+        return call(target, original, args, kwargs)
 
     model.generate = generate
     return model
@@ -106,9 +113,9 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
 
 
 def disable(model):
-    """Undo `enable`: `model.generate` is the original again, and the static cache kept for it
-    (`cache_implementation="static"`) is freed. Returns `model`."""
-    slots.forget(model)
+    """Undo `enable`: `model.generate` is the original again, and what its calls kept (static
+    caches of every model they ran, learned "auto" policies: kept.py) is freed. Returns `model`."""
+    kept.forget(model)
     if not hasattr(model, _ATTR):
         return model
     previous = getattr(model, _ATTR)

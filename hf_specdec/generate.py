@@ -4,12 +4,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from . import _compat, costmodel, distributed
+from .kept import kept_for
 from .drafters import Drafter, TargetStatesDrafter, as_drafter, output_vocab_size
 from .loop import DecodingLoop
 from .offload import as_offload
@@ -39,7 +41,7 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     assistant_models: list of Transformers causal LMs (same vocabulary as `model`) or Drafters.
     spec_policy: SpecPolicy / LengthPolicy / DrafterSelector / a name ("fixed:4", "adaspec", ...) /
         None or "auto" (`hf_specdec.policies.auto_policy`; in this loop one per target and drafters, kept
-        across calls).
+        across calls in the target's `Kept`, kept.py).
     spec_generator: torch.Generator for every random draw (default: torch's global RNG).
     draft_offload: a `hf_specdec.DraftOffload` (True: one with its defaults) that moves the draft
         models off the accelerator while the policy has speculation off and memory is tight.
@@ -49,6 +51,19 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     """
     generation_config = generation_config or model.generation_config
     drafters, policy = check_spec_args(model, assistant_models, spec_policy)
+    kept = kept_for(model)
+    if spec_policy is None or spec_policy == "auto":    # lent for this call: a concurrent one learns its own
+        lending = kept.policies.lent(tuple(map(_identity, drafters)), lambda: policy)
+    else:
+        lending = contextlib.nullcontext(policy)
+    with lending as policy:
+        return _run(model, input_ids, logits_processor, stopping_criteria, generation_config, drafters, policy,
+                    kept, spec_generator, spec_streamer, draft_offload, model_kwargs)
+
+
+def _run(model, input_ids, logits_processor, stopping_criteria, generation_config, drafters, policy, kept,
+         spec_generator, spec_streamer, draft_offload, model_kwargs):
+    """`generate` once its drafters and policy are known."""
     offload = as_offload(draft_offload)
     _check_call(input_ids, generation_config, model_kwargs)
     _check_cache(model, drafters, generation_config)
@@ -73,7 +88,8 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     static = generation_config.cache_implementation == "static"
     batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
                           pad_token_id=_compat.pad_token_id(generation_config), static_cache=static,
-                          compile_config=_compat.compile_config(model, generation_config) if static else None)
+                          compile_config=_compat.compile_config(model, generation_config) if static else None,
+                          kept=kept)
     ensure_profile(policy, model, drafters, input_ids.shape[0], ranks)
     stops = StopJudge(stopping_criteria, input_ids.shape[0], generation_config.max_length, input_ids.device,
                       freeze_finished)
@@ -85,15 +101,12 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     return sequences
 
 
-# target -> {its drafters' identities: the "auto" policy}: it learns across calls
-_AUTO_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _identity(drafter: Drafter):
-    """What an "auto" policy learned about: a drafter's models, or its kind for one without
-    (a fresh PromptLookupDrafter() per call is the same drafter)."""
+    """What an "auto" policy learned about: a drafter's models (weakly: a dead model's key never
+    equals a new one's), or its kind for one without (a fresh PromptLookupDrafter() per call is the
+    same drafter)."""
     models = drafter.models()
-    return tuple(map(id, models)) if models else type(drafter).__name__
+    return tuple(map(weakref.ref, models)) if models else type(drafter).__name__
 
 
 def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
@@ -102,10 +115,8 @@ def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter]
         raise ValueError(f"the batched loop runs decoder-only targets; {type(model).__name__} is an encoder-decoder: "
                          "hf_specdec.enable(model, loop='transformers') runs it through Transformers' assisted loop")
     drafters = _check_drafters(model, assistant_models)
-    if spec_policy is None or spec_policy == "auto":
-        scorable = all(d.scorable for d in drafters)
-        known, key = _AUTO_POLICIES.setdefault(model, {}), tuple(map(_identity, drafters))
-        policy = known.get(key) or known.setdefault(key, auto_policy(len(drafters), scorable))
+    if spec_policy is None or spec_policy == "auto":        # (generate() uses the target's kept one)
+        policy = auto_policy(len(drafters), all(d.scorable for d in drafters))
     else:
         policy = resolve_policy(spec_policy)
     measured = getattr(policy.length, "profile", None)
@@ -225,3 +236,12 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
                          "builds its own caches")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+        real = mask.bool()
+        if bool((real[:, :-1] & ~real[:, 1:]).any()):     # a pad after a real token: not left padding
+            raise ValueError("attention_mask has padding after real tokens (right padding); decoder-only "
+                             "generation needs left padding: tokenizer(..., padding_side='left')")

@@ -27,12 +27,11 @@ Names, one per idea:
 """
 from __future__ import annotations
 
-import time
+import gc
 from dataclasses import dataclass
 
 import torch
 
-from . import compiled
 from .cached_model import CachedModel
 from .drafters import Drafter, Proposal
 from .offload import RESIDENT, DraftOffload
@@ -43,6 +42,7 @@ from .scoring import prime, score_drafters
 from .sequences import SequenceBatch
 from .stats import SpecStats, StepRecord
 from .stops import StopJudge
+from . import timing
 from .timing import PhaseClock
 from .verify import Verified, target_verify
 
@@ -106,14 +106,28 @@ class DecodingLoop:
 
     def run(self) -> SpecStats:
         """generate(): every active row to its end."""
-        self.begin()
-        self.stats.prime_seconds = prime(self.policy.selector, self.target, self.drafters, self.batch, self.sampler)
-        while len(self.batch.active):
-            self.step()
-            self.stream(final=False)
-        self.observe_late()
-        self.stream(final=True)
-        return self.stats
+        try:
+            self.begin()
+            self.stats.prime_seconds = prime(self.policy.selector, self.target, self.drafters, self.batch, self.sampler)
+            while len(self.batch.active):
+                self.step()
+                self.stream(final=False)
+            self.observe_late()
+            self.stream(final=True)
+            return self.stats
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """The call ends (or failed): what its models were lent goes back. After a call that
+        compiled, dynamo's tracing leaves reference cycles holding the traced inputs (a KV cache):
+        collected now, so a storage's memory is freed with the storage (`hf_specdec.disable`),
+        not at some later collection."""
+        self.target.close()
+        for drafter in self.drafters:
+            drafter.close()
+        if self.batch.warmups.calls:
+            gc.collect()
 
     def context(self, step: int, start: RowInts, room: RowInts) -> StepContext:
         """What the policy sees before step `step`, from the host's copy of the rows' numbers:
@@ -127,21 +141,21 @@ class DecodingLoop:
     def step(self) -> StepRecord:
         """One step of the active rows: plan -> draft -> verify -> read -> advance -> observe (the
         module docstring). On the device's side it reads at most once."""
-        begin, warmups = time.perf_counter(), compiled.warmup_calls()
+        begin, warmups = timing.now(), self.batch.warmups.calls
         plan = self.plan()
-        t0, c0 = time.perf_counter(), self.clock.mark()
+        t0, c0 = timing.now(), self.clock.mark()
         proposal, drafted = self.draft(plan)
         c1 = self.clock.mark()
         verified = target_verify(self.target, self.batch, proposal.tokens, proposal.counts.tensor, proposal.probs,
                                  self.sampler, rollback=False, ensemble=True)
-        t2, c2 = time.perf_counter(), self.clock.mark()
+        t2, c2 = timing.now(), self.clock.mark()
         outcome = self.read(plan, proposal, verified)
         record = self.advance(plan, proposal, verified, outcome)
         # the host's own work: not its wait in the read for the device's drafting and verifying,
         # which the clock's marks already time (on a GPU they would count twice, and only on
         # steps that read: plain steps would look cheap)
-        record.overhead_s = time.perf_counter() - begin - (t2 - t0) - outcome.waited
-        record.warmup = compiled.warmup_calls() != warmups
+        record.overhead_s = timing.now() - begin - (t2 - t0) - outcome.waited
+        record.warmup = self.batch.warmups.calls != warmups
         self.stats.steps.append(record)
         self._late.append((record, (c0, c1, c2), drafted))
         if outcome.read or not self.clock.events:   # the read waited for every mark so far: reading them waits on nothing
@@ -207,11 +221,11 @@ class DecodingLoop:
             return StepOutcome(accepted=RowInts(result.num_accepted, [0] * n), proposed=[0] * n, stops=None,
                                read=False, waited=0.0)
         numbers = [proposal.counts.tensor, result.num_accepted] + ([stops] if stops is not None else [])
-        waited = time.perf_counter()
+        waited = timing.now()
         proposed, accepted, *host_stops = host_read(torch.stack(numbers))     # the one host read
         return StepOutcome(accepted=RowInts(result.num_accepted, accepted), proposed=proposed,
                            stops=RowInts(stops, host_stops[0]) if host_stops else None, read=True,
-                           waited=time.perf_counter() - waited)
+                           waited=timing.now() - waited)
 
     def advance(self, plan: StepPlan, proposal: Proposal, verified: Verified, outcome: StepOutcome) -> StepRecord:
         """Each row keeps its accepted drafts + 1 token, cut at a stop; every cache forgets the

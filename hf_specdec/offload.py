@@ -24,13 +24,13 @@ offloaded reloads synchronously: slow, never wrong.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 
+from . import timing
 from .policies.base import StepContext, non_negative_int
 
 logger = logging.getLogger(__name__)
@@ -288,18 +288,18 @@ class DraftOffload:
         self._streak = self._streak + 1 if wanted else 0
         if self._streak >= self.persist_steps:
             self._streak = 0
-            t = time.perf_counter()
+            t = timing.now()
             if self.state == RESIDENT:
                 for drafter in self.drafters:     # their caches are on the device too: drop them
                     drafter.release(self.batch)
                 for hook in self.hooks.values():
                     hook.offload()
                 self.offloaded_at_batch = ctx.batch_size
-                self._log("offload", free, ctx, time.perf_counter() - t)
+                self._log("offload", free, ctx, timing.now() - t)
             else:
                 for hook in self.hooks.values():
                     hook.start_reload()
-                self._log("reload-start", free, ctx, time.perf_counter() - t)
+                self._log("reload-start", free, ctx, timing.now() - t)
         return self.state == RESIDENT
 
     def _log(self, action: str, free: int, ctx: StepContext, seconds: float) -> None:

@@ -10,10 +10,9 @@ scored, which is how the last prompt positions warm-start a selector before its 
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
+from . import timing
 from .cached_model import CachedModel
 from .drafters import Drafter
 from .sampling import TokenSampler
@@ -37,7 +36,7 @@ def score_drafters(drafters: list[Drafter], batch: SequenceBatch, start: torch.T
         target_best = target_scores[:, :width].argmax(-1)                 # [n, w] = the emitted tokens
     gammas, seconds = [], []
     for drafter in drafters:
-        t0 = time.perf_counter()
+        t0 = timing.now()
         guess = drafter.replay(batch, start)
         if not do_sample:
             gamma = (guess.tokens[:, :width] == target_best).float()
@@ -46,7 +45,7 @@ def score_drafters(drafters: list[Drafter], batch: SequenceBatch, start: torch.T
         else:
             gamma = target_probs.gather(-1, guess.tokens[:, :width, None]).squeeze(-1)
         gammas.append(gamma * (guess.valid[:, :width] & valid))
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(timing.now() - t0)
     return torch.stack(gammas, -1), seconds
 
 
@@ -58,10 +57,10 @@ def prime(selector, target: CachedModel, drafters: list[Drafter], batch: Sequenc
     width = min(getattr(selector, "prompt_positions", 0), int(batch.prompt_mask.sum(1).min()) - 1)
     if width < 1:
         return 0.0
-    t0 = time.perf_counter()
+    t0 = timing.now()
     end = batch.active_lengths() - 1
     logits = target.forward(*target.pending(batch, end), keep=width)      # predicts positions end-width+1 .. end
     scores = sampler.scores(batch, logits, offset=-width)
     gammas, _ = score_drafters(drafters, batch, end.tensor - width + 1, scores, sampler.do_sample)
     selector.prime({row: gammas[i].tolist() for i, row in enumerate(batch.active.host)})
-    return time.perf_counter() - t0
+    return timing.now() - t0

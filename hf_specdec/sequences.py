@@ -10,6 +10,8 @@ import copy
 
 import torch
 
+from .compiled import WarmupCount
+from .kept import Kept
 from .rows import RowInts
 
 
@@ -18,11 +20,13 @@ class SequenceBatch:
     is_view = False
 
     def __init__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None,
-                 max_length: int, pad_token_id: int, static_cache: bool = False, compile_config=None):
+                 max_length: int, pad_token_id: int, static_cache: bool = False, compile_config=None,
+                 kept: Kept | None = None):
         batch, prompt_len = input_ids.shape
         self.static_cache = static_cache    # models keep preallocated KV caches (cache_implementation="static")
         self.compile_config = compile_config  # and compile their decoding forwards (Transformers' CompileConfig)
-        self.call = object()                # this generate() call (its views share it): who holds a kept cache
+        self.kept = kept                    # the target's Kept: static storages are lent from it
+        self.warmups = WarmupCount()        # this call's compiled warm-ups (its views share it)
         device = input_ids.device
         self.prompt_len = prompt_len
         self.max_length = max_length

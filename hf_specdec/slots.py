@@ -7,17 +7,16 @@ attention mask) next to the KV cache, and both run the model's forward over them
     `capacity` slots per row, each forward written at slot `used` on; stepping back moves `used`;
     full: its rows are compacted, or it grows. Compiled (`compiled.py`) when the call's
     CompileConfig says so: rows pad to a bucket (dummy rows attend slot 0 only), widths to a tier.
-    One per model, kept across generate() calls and reset in place: a smaller row bucket is a
-    view of the largest allocation, so the addresses CUDA graphs recorded stay valid.
+    Lent to one call at a time from the target's `Kept` (kept.py) and reset in place: a smaller
+    row bucket is a view of the largest allocation, so the addresses CUDA graphs recorded stay
+    valid; an allocation made for another dtype or device (`model.to` between calls) is dropped.
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from . import _compat
-from .compiled import compiled_forwards, rows_bucket, width_tier
+from .compiled import WarmupCount, compiled_forwards, rows_bucket, width_tier
 
 
 def static_capacity(tokens: int) -> int:
@@ -85,15 +84,19 @@ class StaticSlots:
         self.cache, self.capacity, self.alloc_rows = None, 0, 0
         self.full: list[tuple[torch.Tensor, torch.Tensor]] = []       # per layer (keys, values) [alloc_rows, ...]
         self.views: dict[int, list] = {}                               # rows -> per layer views of `full`
-        self.holder = None                                             # (call, weakref to its CachedModel)
+        self.made_for = None                                           # (dtype, device) of the allocation
 
-    def reset(self, model: torch.nn.Module, n: int, max_length: int, compile_config, device) -> None:
+    def reset(self, model: torch.nn.Module, n: int, max_length: int, compile_config, device,
+              warmups: WarmupCount) -> None:
         """Empty, for `n` rows of up to `max_length` tokens: the allocation is reused when it
-        fits, else a larger one is made (grow only, as Transformers keeps its cache length)."""
+        fits and was made for the model's dtype and device, else a new one is made (grow only, as
+        Transformers keeps its cache length). warmups: the call's count of compiled warm-ups."""
         self.compiled = compiled_forwards(model, compile_config) if compile_config else None
+        self.warmups = warmups
         self.n, self.rows = n, rows_bucket(n) if self.compiled else n
         needed = static_capacity(max_length)
-        if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows:
+        made_for, self.made_for = self.made_for, (model.dtype, torch.device(device))
+        if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows or made_for != self.made_for:
             # (allocated by the first forward: an eager prefill of `rows` rows)
             self.capacity = max(needed, self.capacity)
             self.cache = _compat.new_static_cache(model, self.capacity)
@@ -150,7 +153,8 @@ class StaticSlots:
                 self._use_rows(self.rows)
             return logits
         logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions), positions, cache_position,
-                               _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr())
+                               _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr(),
+                               self.warmups)
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits[:, end - keep:end]
@@ -210,27 +214,6 @@ class StaticSlots:
         self._mask[:rows] = self._mask[index]
         self.n, self.rows = m, rows
         self._mark_dummies()
-
-
-# model -> its StaticSlots, kept across generate() calls (weakly: freed with the model)
-_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def static_slots(model: torch.nn.Module, call: object, holder) -> StaticSlots:
-    """The model's kept static storage for `holder` (a CachedModel) in generate() call `call`; a
-    fresh one, not kept, if another CachedModel of the same call holds it (the model twice)."""
-    slots = _KEPT.get(model)
-    if slots is None:
-        slots = _KEPT[model] = StaticSlots()
-    elif slots.holder is not None and slots.holder[0] is call and slots.holder[1]() not in (None, holder):
-        slots = StaticSlots()
-    slots.holder = (call, weakref.ref(holder))
-    return slots
-
-
-def forget(model: torch.nn.Module) -> None:
-    """Free the model's kept static cache (`hf_specdec.disable`)."""
-    _KEPT.pop(model, None)
 
 
 def _pad_right(t: torch.Tensor, width: int) -> torch.Tensor:

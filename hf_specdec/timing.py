@@ -3,13 +3,19 @@
 On a CUDA device a mark is an event recorded in the stream, and the time between two marks is
 read once the later one has completed: the caller reads it after a host read that follows the mark
 (the decoding loop: one step later, `DecodingLoop.observe_late`), so timing costs no device sync.
-Elsewhere the host clock is the device's.
+Elsewhere the host clock is the device's: `now`, which tests replace with a clock of their own (the
+policies then see the same costs on a busy machine as on an idle one).
 """
 from __future__ import annotations
 
 import time
 
 import torch
+
+
+def now() -> float:
+    """Seconds on the host clock every step time is read from."""
+    return time.perf_counter()
 
 
 class PhaseClock:
@@ -20,7 +26,7 @@ class PhaseClock:
 
     def mark(self):
         if not self.events:
-            return time.perf_counter()
+            return now()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event

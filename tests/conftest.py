@@ -13,3 +13,13 @@ def smollm2():
     """The embedded SmolLM2-135M-Instruct (model, tokenizer), loaded once per session."""
     from hf_specdec.embedded import load_smollm2
     return load_smollm2()
+
+
+@pytest.fixture(autouse=True)
+def forward_clock(monkeypatch):
+    """No test depends on the wall clock or the machine's load: the policies' step times come from
+    a clock that only our models' forwards move (helpers.ForwardClock; set `.costs` to change them)."""
+    from helpers import ForwardClock
+    clock = ForwardClock()
+    clock.install(monkeypatch)
+    return clock

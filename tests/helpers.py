@@ -20,6 +20,37 @@ def assert_same(a, b):
     assert not bad, f"rows {bad} differ:\n{a[bad]}\n{b[bad]}"
 
 
+class ForwardClock:
+    """The host clock of `hf_specdec.timing` (every step time a policy reads), moved only by our
+    models' forwards: a forward of `model` over rows x width tokens takes
+    seconds(model) * (1 + per_token * (rows * width - 1)), seconds(model) its parameter count in
+    millions unless `costs[model]` says otherwise (decoding reads every weight once: a small draft
+    is cheap). Timing-driven policies then choose the same on a busy machine as on an idle one.
+    conftest.py installs one for every test (the `forward_clock` fixture)."""
+
+    def __init__(self, per_token: float = 0.02):
+        self.time, self.per_token, self.costs = 0.0, per_token, weakref.WeakKeyDictionary()
+
+    def now(self) -> float:
+        return self.time
+
+    def cost(self, model, tokens: int) -> float:
+        base = self.costs.get(model)
+        if base is None:
+            base = self.costs[model] = sum(p.numel() for p in model.parameters()) / 1e6
+        return base * (1 + self.per_token * (tokens - 1))
+
+    def install(self, monkeypatch) -> None:
+        from hf_specdec import cached_model, timing
+        forward = cached_model.CachedModel.forward
+
+        def timed(runner, tokens, real, keep):
+            self.time += self.cost(runner.model, tokens.numel())
+            return forward(runner, tokens, real, keep)
+        monkeypatch.setattr(cached_model.CachedModel, "forward", timed)
+        monkeypatch.setattr(timing, "now", self.now)
+
+
 class Scripted(LengthPolicy):
     """k = ks(step) for the step-th step of each generate() call."""
 

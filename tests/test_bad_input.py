@@ -57,6 +57,7 @@ def test_encoder_decoder_drafter(models):
 @pytest.mark.parametrize("policy,exc,match", [
     ("fast", ValueError, "unknown spec_policy 'fast'"),
     ("fixed:x", ValueError, "expected an integer"),
+    ("fixed:\u00b2", ValueError, "expected an integer"),             # a superscript 2: isdigit(), not int()
     (3.5, TypeError, "spec_policy must be"),
 ])
 def test_bad_policy(models, policy, exc, match):
@@ -142,3 +143,14 @@ def test_cache_settings_the_static_path_cannot_honour(models, setting, match):
     setting = dict(setting)
     drafters = [_stateful_model()] if setting.pop("assistant", None) else None
     check_error(models, ValueError, match, drafters=drafters, **setting)
+
+
+def test_right_padding_refused(models):
+    """Plain generate() reads right-padded rows as they are; our loop would not: refused, naming the fix."""
+    ids, mask = prompts(3, seed=0)
+    check_error(models, ValueError, "right padding.*padding_side='left'", input_ids=ids, attention_mask=mask.flip(1))
+
+
+def test_attention_mask_of_another_shape_refused(models):
+    ids, mask = prompts(3, seed=0)
+    check_error(models, ValueError, "attention_mask must be a tensor of input_ids' shape", attention_mask=mask[:2])

@@ -3,7 +3,6 @@ or anywhere with `compile_config._compile_all_devices`). Compiled here with dyna
 backend: the same graphs, guards and recompilations as inductor, without its code generation."""
 import importlib
 import math
-import time
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_specdec
-from hf_specdec import compiled, slots, testing
+from hf_specdec import compiled, testing
+from hf_specdec.kept import kept_for
 from hf_specdec.testing import build, circle_model, circle_continuation, noisy_copy, prompts
 from helpers import Scripted, assert_same, spec
 
@@ -20,6 +20,11 @@ def _compile_config(**kwargs):
     config = CompileConfig(fullgraph=True, backend="eager", **kwargs)
     config._compile_all_devices = True          # Transformers' own switch for compiling on a CPU
     return config
+
+
+def _kept(model):
+    """The model's static storage kept (free) between calls."""
+    return kept_for(model).storages.table[model]
 
 
 def _graphs() -> int:
@@ -62,11 +67,11 @@ def test_one_graph_per_model_while_k_moves_rows_retire_calls_grow_and_shrink():
     compiled_ks = (0, 1, 2, 4, 6, 8, 3, 16)
     assert _circle_call(target, draft, ids, 40, ks, eos) == 2                     # target + draft
     assert _graphs_per_function(target, draft) == [1, 1]
-    address = slots._KEPT[target].full[0][0].data_ptr()
+    address = _kept(target).full[0][0].data_ptr()
     assert _circle_call(target, draft, ids[:3], 40, ks) == 0                      # fewer rows, same capacity
-    assert slots._KEPT[target].full[0][0].data_ptr() == address
+    assert _kept(target).full[0][0].data_ptr() == address
     assert _circle_call(target, draft, ids[:4], 300, ks) <= 2                     # 256 -> 512 slots
-    assert slots._KEPT[target].capacity == 512
+    assert _kept(target).capacity == 512
     assert _circle_call(target, draft, ids[:2], 40, ks) == 0
     assert _circle_call(target, draft, ids[:5], 600, ks) == 0                     # 512 -> 1024 slots
     assert max(_graphs_per_function(target, draft)) <= 2 < torch._dynamo.config.recompile_limit
@@ -160,50 +165,51 @@ def test_real_inductor_on_the_cpu_is_exact_and_compiles_once():
     assert graphs == [1, 0]
 
 
-SLEEPS = []   # one entry per compiled graph's first call (_sleeping_backend)
+COMPILE_S = 1000.0   # what a graph's first call takes on the test's clock: more than every forward together
+COMPILES = []        # the clock of each compiled graph's first call (_compiling_backend)
 
 
-def _sleeping_backend(graph_module, example_inputs, **options):
-    """Dynamo's eager backend, but a graph's first call sleeps 0.3 s (as a GPU compiles or records)."""
+def _compiling_backend(graph_module, example_inputs, **options):
+    """Dynamo's eager backend, but a graph's first call moves the test's clock by COMPILE_S (as a
+    GPU compiles or records)."""
     first = [True]
 
     def run(*args):
         if first[0]:
-            time.sleep(0.3)
-            SLEEPS.append(0.3)
+            COMPILES[0].time += COMPILE_S
+            COMPILES.append(COMPILE_S)
             first[0] = False
         return graph_module(*args)
     return run
 
 
-def test_steps_that_compiled_are_marked_and_no_policy_cost():
+def test_steps_that_compiled_are_marked_and_no_policy_cost(forward_clock):
     target = circle_model("toy", vocab=512, dtype=torch.float32)
     draft = circle_model("toy", vocab=512, alpha=0.8, dtype=torch.float32)
     ids = torch.randint(1, 400, (2, 6), generator=torch.Generator().manual_seed(1))
-    config = CompileConfig(fullgraph=True, backend=_sleeping_backend)
+    config = CompileConfig(fullgraph=True, backend=_compiling_backend)
     config._compile_all_devices = True
     policy = hf_specdec.SpecPolicy(length=hf_specdec.MeasuredGoodput())
-    SLEEPS.clear()
+    COMPILES[:] = [forward_clock]
     out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=40, do_sample=False,
                cache_implementation="static", compile_config=config, return_dict_in_generate=True)
     steps = out.spec_stats.steps
-    # no wall-clock bound (a busy machine slows any step): the compiling steps' sleeps lie in the
-    # steps marked warmup (load only adds to them), and no marked step reaches the policy's costs
-    warmup = [s.seconds for s in steps if s.warmup]
-    assert SLEEPS and sum(warmup) >= sum(SLEEPS)
+    compiles = COMPILES[1:]
+    # the compiles lie in the steps marked warmup, and no marked step reaches the policy's costs
+    assert compiles and sum(s.seconds for s in steps if s.warmup) >= sum(compiles)
     assert not all(s.warmup for s in steps)
     measured = [t for costs in policy.length.buckets.values() for arm in costs.seconds.values() for t in arm]
-    assert measured and not set(measured) & set(warmup)
+    assert measured and max(measured) < COMPILE_S
 
 
-def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch):
+def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch, forward_clock):
     """On a GPU the one host read waits for the drafting and verifying that the clock's marks
-    already time: overhead_s must not count it again (emulated: a read that takes 50 ms)."""
+    already time: overhead_s must not count it again (emulated: a read that takes 0.05 s)."""
     loop = importlib.import_module("hf_specdec.loop")
     read = loop.host_read
 
     def slow(numbers):
-        time.sleep(0.05)
+        forward_clock.time += 0.05
         return read(numbers)
     monkeypatch.setattr(loop, "host_read", slow)
     model = build("llama", 2, seed=0)

@@ -75,21 +75,3 @@ def test_cache_settings_it_cannot_honour_are_refused_before_any_work():
     with pytest.raises(ValueError, match="cache_implementation='offloaded'"):
         spec(model, [noisy_copy(model, 0.3)], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=4,
              cache_implementation="offloaded")
-
-
-def test_a_static_cache_is_kept_across_calls_and_freed_by_disable():
-    model = build("llama", 2, seed=0)
-    draft = noisy_copy(model, 0.3)
-    ids, mask = prompts(3, seed=2)
-    hf_specdec.enable(model)
-    out = []
-    for rows in (3, 2):
-        out.append(model.generate(input_ids=ids[:rows], attention_mask=mask[:rows], assistant_model=draft,
-                                  max_new_tokens=8, do_sample=False, cache_implementation="static"))
-        kept = slots._KEPT[model]
-        if rows == 3:
-            first = kept.cache
-    assert kept.cache is first and kept.alloc_rows == 3        # the second call reused the first's tensors
-    hf_specdec.disable(model)
-    assert model not in slots._KEPT and draft in slots._KEPT
-    assert_same(out[1], model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False))

@@ -84,6 +84,9 @@ class Drafter:
     def release(self, batch: SequenceBatch) -> None:
         """Drop every cached state (its models are leaving the device); catch up from scratch later."""
 
+    def close(self) -> None:
+        """The generate() call ends: give back what was lent to it (a kept static cache)."""
+
     def discard_after(self, ends: torch.Tensor) -> None:
         """Forget whatever was fed past buffer position ends[b] of each active row (a drafter
         inside a hierarchy ran ahead of what the target accepted)."""

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compiled
 from ..policies import FixedLength, LengthPolicy, StepContext
 from ..rows import RowInts
 from ..sequences import SequenceBatch
@@ -127,7 +126,7 @@ class HierarchicalDrafter(Drafter):
         positions from the row's length on, and the accepted counts [n]."""
         rows = batch.active.tensor
         length = batch.lengths.tensor[rows]
-        c0, warmups = self.clock.mark(), compiled.warmup_calls()
+        c0, warmups = self.clock.mark(), batch.warmups.calls
         if kd:
             proposal = self.lower.propose(batch, kd)
             counts = proposal.counts.tensor
@@ -152,7 +151,7 @@ class HierarchicalDrafter(Drafter):
         self.stats.produced += sum(accepted) + len(rows)
         self.inner_length.observe(StepRecord.of_step(ctx, kd, kd, proposed, accepted, draft_s=self.clock.seconds(c0, c1),
                                                      verify_s=self.clock.seconds(c1, c2),
-                                                     warmup=compiled.warmup_calls() != warmups))
+                                                     warmup=batch.warmups.calls != warmups))
         self._cycle += 1
         return verified.logits, verified.scores, result.num_accepted
 
@@ -190,6 +189,10 @@ class HierarchicalDrafter(Drafter):
     def release(self, batch: SequenceBatch) -> None:
         self.lower.release(batch)
         self.upper.release(batch)
+
+    def close(self) -> None:
+        self.lower.close()
+        self.upper.close()
 
     def discard_after(self, ends: torch.Tensor) -> None:
         self.lower.discard_after(ends)

@@ -166,6 +166,9 @@ class ModelDrafter(Drafter):
 
     def release(self, batch):
         self.runner.release(batch)
+
+    def close(self):
+        self.runner.close()
         self._head = self._known = self._known_count = self._known_start = None
 
     def discard_after(self, ends):

@@ -99,7 +99,7 @@ def resolve_policy(spec, num_drafters: int = 1, full_information: bool = True) -
         cls, param = _LENGTHS[name]
         if not colon:
             return SpecPolicy(length=cls())
-        if param is None or not arg.isdigit():
+        if param is None or not (arg.isascii() and arg.isdigit()):
             raise ValueError(f"spec_policy {spec!r}: " + (f"{name} takes no ':<n>'" if param is None
                                                           else "expected an integer after ':'"))
         return SpecPolicy(length=cls(**{param: int(arg)}))
