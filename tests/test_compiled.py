@@ -10,9 +10,9 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_specdec
-from hf_specdec import compiled, testing
-from hf_specdec.kept import kept_for
-from hf_specdec.testing import build, circle_model, circle_continuation, noisy_copy, prompts
+from hf_specdec import compiled, slots, testing
+from hf_specdec.kept import forget, kept_for
+from hf_specdec.testing import build, circle_model, circle_continuation, layer_skip_pair, noisy_copy, prompts
 from helpers import Scripted, assert_same, spec
 
 
@@ -245,3 +245,34 @@ def test_the_target_as_its_own_drafter_gets_a_second_static_cache():
                cache_implementation="static", compile_config=_compile_config(), return_dict_in_generate=True)
     assert_same(out.sequences, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
     assert all(a == p for s in out.spec_stats.steps for a, p in zip(s.accepted, s.proposed))   # its own drafts
+
+
+@pytest.mark.parametrize("k", [3, 4, 6, 8])
+def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
+    """A model drafter's k - 1 one-token forwards each pad to width 2 on a compiled cache and step
+    back over the pad, so the last one writes the speculative region's k-th slot. Caches with no
+    slack (compacted every few steps) reach the case where the free room is exactly what the
+    drafter reserved: no compaction may move slots inside its region. Rows accept unevenly; the
+    output is exact and the drafts' acceptance is what a roomy cache gives."""
+    target, draft = layer_skip_pair(0.5, layers=3, hidden=64, vocab=512)
+    target.generation_config.eos_token_id = None
+    ids, mask = prompts(3, seed=3, min_len=3, max_len=12, vocab=512)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=60, do_sample=False)
+    plain = target.generate(**kw)
+    static = dict(cache_implementation="static", compile_config=_compile_config(), return_dict_in_generate=True)
+    roomy = spec(target, [draft], f"fixed:{k}", **kw, **static)
+    forget(target)                       # the next call makes new storages, tight ones
+    monkeypatch.setattr(slots, "static_capacity", lambda tokens: tokens + 1)
+    edges, reserve = [], slots.StaticSlots.reserve
+
+    def watched(self, width):
+        tier = compiled.width_tier(width) if self.compiled and self.full else width
+        if tier and self.used + tier == self.capacity:
+            edges.append(width)
+        return reserve(self, width)
+    monkeypatch.setattr(slots.StaticSlots, "reserve", watched)
+    tight = spec(target, [draft], f"fixed:{k}", **kw, **static)
+    assert edges
+    assert_same(tight.sequences, plain)
+    assert_same(roomy.sequences, plain)
+    assert tight.spec_stats.acceptance_rate == roomy.spec_stats.acceptance_rate

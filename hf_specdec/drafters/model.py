@@ -92,7 +92,10 @@ class ModelDrafter(Drafter):
             tokens, real = self.runner.pending(batch)    # catch up the lag, then draft
             logits = self.runner.forward(tokens, real, keep=1)
         self._head = None
-        self.runner.reserve(k - 1)                       # the drafts' own forwards (slots stay put)
+        # the drafts' own forwards, so that no compaction moves slots inside the speculative region:
+        # k - 1 one-token forwards, each padded to width 2 on a compiled cache and stepped back over
+        # the pad, so the last one writes the region's k-th slot
+        self.runner.reserve(k)
         self._spec_start = self.runner.num_slots
         proposal, self._known = sample_drafts(self.sampler, batch, k, continue_drafting, logits,
                                               lambda token: self.runner.forward(token[:, None], None, 1))
