@@ -65,7 +65,12 @@ def _run(model, input_ids, logits_processor, stopping_criteria, generation_confi
          spec_generator, spec_streamer, draft_offload, model_kwargs):
     """`generate` once its drafters and policy are known."""
     offload = as_offload(draft_offload)
-    _check_call(input_ids, generation_config, model_kwargs)
+    _check_call(model, input_ids, generation_config, model_kwargs)
+    if spec_generator is not None and not isinstance(spec_generator, torch.Generator):
+        raise TypeError(f"spec_generator must be a torch.Generator or None, got {type(spec_generator).__name__}")
+    if spec_streamer is not None and not all(callable(getattr(spec_streamer, m, None)) for m in ("put", "end")):
+        raise TypeError(f"streamer must have put() and end() (a transformers streamer), got "
+                        f"{type(spec_streamer).__name__}")
     _check_cache(model, drafters, generation_config)
     ensemble_weight = _check_ensemble(generation_config, drafters)
     sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator,  # may refuse processors
@@ -164,6 +169,9 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
     drafters = [as_drafter(obj, i) for i, obj in enumerate(assistant_models)]
     target_vocab = output_vocab_size(model)
     for i, drafter in enumerate(drafters):
+        if any(p.is_meta for m in drafter.models() for p in m.parameters()):
+            raise ValueError(f"assistant_models[{i}] has parameters on the meta device (not loaded): load its "
+                             "weights first")
         if drafter.vocab_size is not None and drafter.vocab_size != target_vocab:
             raise ValueError(f"assistant_models[{i}] has vocabulary size {drafter.vocab_size} but the target has "
                              f"{target_vocab}; drafters must share the target's vocabulary")
@@ -214,7 +222,7 @@ def _check_ensemble(generation_config: GenerationConfig, drafters: list[Drafter]
     return float(weight)
 
 
-def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+def _check_call(model, input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
     if generation_config.num_beams > 1:
         raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
                          "speculative decoding; use num_beams=1")
@@ -236,6 +244,13 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
                          "builds its own caches")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the target's embeddings), got values "
+                         f"from {low} to {high}")
     mask = model_kwargs.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
@@ -245,3 +260,6 @@ def _check_call(input_ids, generation_config: GenerationConfig, model_kwargs: di
         if bool((real[:, :-1] & ~real[:, 1:]).any()):     # a pad after a real token: not left padding
             raise ValueError("attention_mask has padding after real tokens (right padding); decoder-only "
                              "generation needs left padding: tokenizer(..., padding_side='left')")
+        empty = (~real.any(1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"attention_mask rows {empty} have no real token: every row needs a prompt")

@@ -5,6 +5,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import hf_specdec
 from helpers import assert_same, spec
+from hf_specdec.kept import kept_for
 from hf_specdec.testing import build, prompts
 
 
@@ -154,3 +155,62 @@ def test_right_padding_refused(models):
 def test_attention_mask_of_another_shape_refused(models):
     ids, mask = prompts(3, seed=0)
     check_error(models, ValueError, "attention_mask must be a tensor of input_ids' shape", attention_mask=mask[:2])
+
+
+# more bad inputs, each refused before any forward with models (and kept caches) as they were
+_ids, _mask = prompts(3, seed=0)
+_empty_row = _mask.clone()
+_empty_row[0] = 0
+FUZZ = {
+    "fixed:-1": (ValueError, "expected an integer", dict(policy="fixed:-1")),
+    "nightjar:0": (ValueError, r"Nightjar\(max_len\) must be >= 1", dict(policy="nightjar:0")),
+    "measured:0": (ValueError, r"MeasuredGoodput\(max_len\) must be >= 1", dict(policy="measured:0")),
+    "empty policy name": (ValueError, "unknown spec_policy ''", dict(policy="")),
+    "policy as a list": (TypeError, "spec_policy must be", dict(policy=["fixed"])),
+    "spec_generator a str": (TypeError, "spec_generator must be a torch.Generator", dict(spec_generator="seed")),
+    "draft_offload a str": (TypeError, "draft_offload must be", dict(draft_offload="yes")),
+    "float input_ids": (TypeError, "input_ids must hold integer token ids", dict(input_ids=_ids.float())),
+    "ids past the vocabulary": (ValueError, r"token ids in \[0, 96\)", dict(input_ids=_ids + 1000)),
+    "negative ids": (ValueError, r"token ids in \[0, 96\)", dict(input_ids=_ids - 1000)),
+    "a row without tokens": (ValueError, r"rows \[0\] have no real token", dict(attention_mask=_empty_row)),
+    "max_new_tokens=0": (ValueError, "max_new_tokens", dict(max_new_tokens=0)),
+    "streamer without put": (TypeError, r"streamer must have put\(\) and end\(\)", dict(spec_streamer=object())),
+    "None as a drafter": (TypeError, r"assistant_models\[0\] must be one Transformers causal LM",
+                          dict(drafters=[None])),
+    "a draft on the meta device": (ValueError, "meta device", dict(drafters="meta")),
+    "temperature 0 with sampling": (ValueError, "temperature", dict(do_sample=True, temperature=0.0)),
+    "compile_config a str": (ValueError, "compile_config", dict(cache_implementation="static", compile_config="yes")),
+}
+
+
+@pytest.mark.parametrize("name", FUZZ)
+def test_fuzz_table_of_bad_calls(models, name):
+    exc, match, kwargs = FUZZ[name]
+    kwargs = dict(kwargs)
+    if kwargs.get("drafters") == "meta":
+        kwargs["drafters"] = [build("llama", 1, seed=1).to("meta")]
+    target = models[0]
+    spec(target, [models[1]], "fixed:2", input_ids=_ids, attention_mask=_mask, max_new_tokens=3,
+         cache_implementation="static")                      # a kept static cache, to see it unchanged
+    models[2].clear()
+    kept = dict(kept_for(target).storages.table)
+    check_error(models, exc, match, **kwargs)
+    assert dict(kept_for(target).storages.table) == kept
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda d: hf_specdec.ModelDrafter("gpt2"), TypeError, r"ModelDrafter\(model\) takes one Transformers causal LM"),
+    (lambda d: hf_specdec.PromptLookupDrafter(max_ngram=0), ValueError, "1 <= min_ngram <= max_ngram"),
+    (lambda d: hf_specdec.PromptLookupDrafter(max_ngram=2, min_ngram=3), ValueError, "1 <= min_ngram <= max_ngram"),
+    (lambda d: hf_specdec.HierarchicalDrafter(d, d, draft_len=0), ValueError, r"HierarchicalDrafter\(draft_len\)"),
+    (lambda d: hf_specdec.HierarchicalDrafter(d, d, cycles=-1), ValueError, r"HierarchicalDrafter\(cycles\)"),
+    (lambda d: hf_specdec.chain([d]), ValueError, "at least 2 models"),
+    (lambda d: hf_specdec.enable([d]), TypeError, "enable each model of a list in turn"),
+    (lambda d: hf_specdec.enable(d, loop="fast"), ValueError, "loop must be one of"),
+    (lambda d: hf_specdec.self_draft(d, "int4"), ValueError, "kind must be one of"),
+])
+def test_bad_drafters_and_enable_arguments(models, make, exc, match):
+    draft = models[1]
+    with pytest.raises(exc, match=match):
+        make(draft)
+    assert not hasattr(draft, "_hf_specdec_original_generate")
