@@ -159,6 +159,18 @@ def reads_target_states(assistant) -> bool:
     return type(assistant).__name__.startswith(("Gemma4Assistant", "Gemma4UnifiedAssistant"))
 
 
+def target_states_mismatch(assistant, target) -> str | None:
+    """Why a Gemma 4 assistant cannot read `target`'s states (None: it can): it reads hidden
+    states of its `backbone_hidden_size` and a Gemma 4 target's per-kind K/V."""
+    text = target.config.get_text_config()
+    backbone = getattr(assistant.config, "backbone_hidden_size", None)
+    if backbone is not None and backbone != text.hidden_size:
+        return f"it reads hidden states of size {backbone}, the target's are {text.hidden_size}"
+    if not text.model_type.startswith("gemma4"):
+        return f"it reads a Gemma 4 target's K/V, the target is {type(target).__name__}"
+    return None
+
+
 def kv_sharing_sources(model: torch.nn.Module) -> dict[str, int]:
     """Per attention kind, the layer whose K/V a Gemma 4 assistant reads (`shared_kv_states`): the
     target's "store" layers (the last of each kind before its KV-sharing layers), else the last

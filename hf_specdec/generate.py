@@ -169,6 +169,11 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
     drafters = [as_drafter(obj, i) for i, obj in enumerate(assistant_models)]
     target_vocab = output_vocab_size(model)
     for i, drafter in enumerate(drafters):
+        mismatch = _compat.target_states_mismatch(drafter.model, model) if isinstance(drafter, TargetStatesDrafter) \
+            else None
+        if mismatch:
+            raise ValueError(f"assistant_models[{i}] ({type(drafter.model).__name__}) drafts from its target's "
+                             f"states, but {mismatch}")
         if any(p.is_meta for m in drafter.models() for p in m.parameters()):
             raise ValueError(f"assistant_models[{i}] has parameters on the meta device (not loaded): load its "
                              "weights first")

@@ -10,6 +10,7 @@ from transformers.generation.candidate_generator import SinglePositionMultiToken
 import hf_specdec
 from hf_specdec.drafters import TargetStatesDrafter
 from hf_specdec.testing import noisy_copy, prompts
+from helpers import spec
 
 VOCAB, WINDOW = 96, 6
 
@@ -118,3 +119,24 @@ def test_a_gemma4_target_with_an_ordinary_draft_model():
         out = target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy="fixed:4",
                               **kwargs)
         assert torch.equal(out, target.generate(**kwargs)), cache
+
+
+def test_an_assistant_that_cannot_read_its_target_is_refused_before_any_work():
+    """A Gemma 4 assistant reads its target's hidden states and K/V: a target of another width, or
+    not a Gemma 4, is refused before any forward; so is an assistant inside a hierarchy (it reads
+    the target's states, not an intermediate's)."""
+    from hf_specdec.testing import build
+    target, assistant = gemma4_pair()
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    narrow = Gemma4ForCausalLM(_text_config(hidden_size=16)).eval()
+    other = build("llama", 2, seed=0, vocab=VOCAB, hidden=32)
+    calls = []
+    for model in (narrow, other, assistant):
+        model.register_forward_hook(lambda *a: calls.append(1))
+    for wrong, match in ((narrow, "hidden states of size 32, the target's are 16"), (other, "a Gemma 4 target's K/V")):
+        with pytest.raises(ValueError, match=match):
+            spec(wrong, [assistant], "fixed:2", input_ids=ids, max_new_tokens=3, do_sample=False)
+    assert not calls
+    for levels in ((assistant, target), (target, assistant)):
+        with pytest.raises(ValueError, match="drafts from the target's own states"):
+            hf_specdec.HierarchicalDrafter(*levels)

@@ -25,6 +25,7 @@ from ..stats import StepRecord
 from ..timing import PhaseClock
 from .base import ContinueDrafting, Drafter, Prediction, Proposal
 from .model import ModelDrafter
+from .target_states import TargetStatesDrafter
 
 
 @dataclass
@@ -57,6 +58,10 @@ class HierarchicalDrafter(Drafter):
                             f"target's proposal, got {type(intermediate).__name__}")
         self.upper = intermediate if isinstance(intermediate, ModelDrafter) else \
             as_drafter(intermediate, where="HierarchicalDrafter(intermediate)")
+        for where, level in (("draft", self.lower), ("intermediate", self.upper)):
+            if isinstance(level, TargetStatesDrafter):
+                raise ValueError(f"HierarchicalDrafter({where}) is a {type(level.model).__name__}, which drafts from "
+                                 "the target's own states, not an intermediate's: pass it in assistant_models itself")
         if self.lower.vocab_size is not None and self.lower.vocab_size != self.upper.vocab_size:
             raise ValueError(f"HierarchicalDrafter: the draft's vocabulary size {self.lower.vocab_size} differs "
                              f"from the intermediate's {self.upper.vocab_size}")
