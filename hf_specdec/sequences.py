@@ -25,7 +25,7 @@ class SequenceBatch:
         batch, prompt_len = input_ids.shape
         self.static_cache = static_cache    # models keep preallocated KV caches (cache_implementation="static")
         self.compile_config = compile_config  # and compile their decoding forwards (Transformers' CompileConfig)
-        self.kept = kept                    # the target's Kept: static storages are lent from it
+        self.kept = kept or Kept()          # the target's Kept: static storages are lent from it
         self.warmups = WarmupCount()        # this call's compiled warm-ups (its views share it)
         device = input_ids.device
         self.prompt_len = prompt_len
