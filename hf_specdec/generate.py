@@ -11,8 +11,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from . import _compat, costmodel, distributed
-from .kept import kept_for
 from .drafters import Drafter, TargetStatesDrafter, as_drafter, output_vocab_size
+from .kept import kept_for
 from .loop import DecodingLoop
 from .offload import as_offload
 from .policies import SpecPolicy, auto_policy, resolve_policy

@@ -169,10 +169,10 @@ class ModelDrafter(Drafter):
 
     def release(self, batch):
         self.runner.release(batch)
+        self._head = self._known = self._known_count = self._known_start = None
 
     def close(self):
         self.runner.close()
-        self._head = self._known = self._known_count = self._known_start = None
 
     def discard_after(self, ends):
         self.runner.truncate(ends)
