@@ -9,6 +9,7 @@ generate(), a seeded sample repeats), and the test also checks that they printed
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,9 @@ OFFLINE = {
     "05_humaneval.ipynb": ('PROBLEMS = ["HumanEval/23", "HumanEval/35", "HumanEval/52"]\nN_SAMPLES = 2\n'
                            "PASS_AT = (1, 2)\nMAX_NEW_TOKENS = 48", 1, " samples pass"),
 }
-CELL_TIMEOUT = 300      # seconds for any one cell
-NOTEBOOK_LIMIT = 420    # seconds for a whole notebook (each takes about 0.5-2.5 min on a shared 2-core CPU)
+# a hang guard, not a speed check (a notebook takes about 0.5-2.5 min on an idle 2-core CPU; a busy
+# machine may take several times that, and no test asserts a wall-clock time)
+CELL_TIMEOUT = 1800     # seconds for any one cell
 
 
 def load(name: str) -> dict:
@@ -108,4 +110,4 @@ def test_runs_offline(name, kernel_name, monkeypatch):
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert expected in text, f"{name}: {expected!r} not in its output"
     assert images >= plots, f"{name}: {images} plots drawn, expected at least {plots}"
-    assert seconds < NOTEBOOK_LIMIT, f"{name} took {seconds:.0f}s (limit {NOTEBOOK_LIMIT}s)"
+    logging.getLogger(__name__).info("%s ran in %.0f s", name, seconds)
