@@ -57,8 +57,11 @@ class Kept:
 
 def kept_for(model) -> Kept:
     """The target's Kept, made on first use."""
-    with _CREATE:
-        return model.__dict__.setdefault(ATTR, Kept())
+    kept = model.__dict__.get(ATTR)
+    if kept is None:
+        with _CREATE:
+            kept = model.__dict__.setdefault(ATTR, Kept())
+    return kept
 
 
 def forget(model) -> None:

@@ -51,6 +51,15 @@ class ForwardClock:
         monkeypatch.setattr(timing, "now", self.now)
 
 
+def cpu_compile_config(**kwargs):
+    """A CompileConfig that compiles on a CPU (Transformers' own switch) with dynamo's "eager"
+    backend: the same graphs, guards and recompilations as inductor, without its code generation."""
+    from transformers import CompileConfig
+    config = CompileConfig(**{"fullgraph": True, "backend": "eager", **kwargs})
+    config._compile_all_devices = True
+    return config
+
+
 class Scripted(LengthPolicy):
     """k = ks(step) for the step-th step of each generate() call."""
 

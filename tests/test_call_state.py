@@ -7,18 +7,11 @@ import weakref
 
 import pytest
 import torch
-from transformers import CompileConfig
 
 import hf_specdec
 from hf_specdec.kept import kept_for
 from hf_specdec.testing import build, noisy_copy, prompts
-from helpers import assert_same
-
-
-def _compile_config():
-    config = CompileConfig(fullgraph=True, backend="eager")
-    config._compile_all_devices = True          # Transformers' own switch for compiling on a CPU
-    return config
+from helpers import assert_same, cpu_compile_config
 
 
 def _storage_refs(target, models) -> list:
@@ -37,7 +30,7 @@ def test_static_caches_are_reused_across_calls_and_all_freed_by_disable_without_
     model = build("llama", 2, seed=0)
     draft = noisy_copy(model, 0.3)
     ids, mask = prompts(3, seed=2)
-    extra = {"compile_config": _compile_config()} if compiled else {}
+    extra = {"compile_config": cpu_compile_config()} if compiled else {}
     hf_specdec.enable(model)
     gc.collect()
     gc.disable()              # whatever is freed below is freed by reference counting alone

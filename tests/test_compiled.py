@@ -13,13 +13,10 @@ import hf_specdec
 from hf_specdec import compiled, slots, testing
 from hf_specdec.kept import forget, kept_for
 from hf_specdec.testing import build, circle_model, circle_continuation, layer_skip_pair, noisy_copy, prompts
-from helpers import Scripted, assert_same, spec
+from helpers import Scripted, assert_same, cpu_compile_config, spec
 
 
-def _compile_config(**kwargs):
-    config = CompileConfig(fullgraph=True, backend="eager", **kwargs)
-    config._compile_all_devices = True          # Transformers' own switch for compiling on a CPU
-    return config
+_compile_config = cpu_compile_config
 
 
 def _kept(model):
