@@ -63,9 +63,9 @@ def batches(name: str, env, args):
     if env.tokenizer is None:                    # tiny: random prompts, one chunk
         ids = random_ids(env.model.config.vocab_size, max(args.batch_sizes))
         return lambda batch: [{k: v[:batch] for k, v in ids.items()}]
-    if name == "smollm2":                        # the first `batch` raw prompts, one chunk
-        texts = humaneval_texts(env.tokenizer, "raw", limit=max(args.batch_sizes))
-        return lambda batch: [encode(env.tokenizer, texts[:batch])]
+    if name == "smollm2":                        # raw prompts (a base model's)
+        texts = humaneval_texts(env.tokenizer, "raw", limit=args.problems)
+        return lambda batch: [encode(env.tokenizer, c) for c in chunks(texts, batch)]
     gemma = name == "gemma3"
     texts = window_texts(env.tokenizer, args.problems) if gemma else humaneval_texts(env.tokenizer, "chat", args.problems)
     return lambda batch: [encode(env.tokenizer, c, chat=not gemma) for c in chunks(texts, batch)]
@@ -169,7 +169,7 @@ def plot(payload, path: Path) -> None:
 def main(argv=None):
     parser = arguments(__doc__, "qwen-coder")
     parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--problems", type=int, default=16, help="HumanEval prompts (qwen-coder, gemma3)")
+    parser.add_argument("--problems", type=int, default=16, help="HumanEval prompts (qwen-coder, smollm2, gemma3)")
     parser.add_argument("--methods", default=METHODS, help="plain first, then eval/methods.py names")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)

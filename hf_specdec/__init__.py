@@ -15,11 +15,12 @@ from .policies import (AdaSpec, ConfidenceThreshold, DSDGoodput, FixedDrafter, F
                        MeasuredGoodput, Nightjar, SpecPolicy)
 from .offload import DraftOffload
 from .stats import SpecStats
+from .vocab import TokenizerMismatchWarning
 
 # what users call; research baselines and internals stay in their modules (hf_specdec.policies.UCBSpec,
 # hf_specdec.verify.verify, hf_specdec.costmodel.LatencyModel, ...)
 __all__ = ["enable", "disable", "generate", "SpecPolicy", "FixedLength", "HFHeuristic", "ConfidenceThreshold",
            "MeasuredGoodput", "Nightjar", "AdaSpec", "DSDGoodput", "HedgeSpec", "FixedDrafter", "Drafter", "ModelDrafter",
            "PromptLookupDrafter", "DatastoreDrafter", "HierarchicalDrafter", "chain", "self_draft", "DraftOffload",
-           "SpecStats", "CostProfile"]
+           "SpecStats", "CostProfile", "TokenizerMismatchWarning"]
 __version__ = "0.1.0"

@@ -235,9 +235,11 @@ def attn_implementation(model: torch.nn.Module) -> str:
 
 
 def set_static_length(cache, length: int) -> None:
-    """Where the next write of every layer of a StaticCache goes (5.24: `cumulative_length`)."""
-    for layer in _storing(cache):
-        layer.cumulative_length.fill_(length)
+    """Where the next write of every layer of a StaticCache goes (5.24: `cumulative_length`, a
+    0-d tensor per layer): two ops for all layers (foreach), not one per layer."""
+    lengths = [layer.cumulative_length for layer in _storing(cache)]
+    torch._foreach_zero_(lengths)
+    torch._foreach_add_(lengths, length)
 
 
 def _storing(cache) -> list:

@@ -32,7 +32,7 @@ from transformers import GenerationConfig
 
 from . import _compat
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from .generate import TRANSFORMERS_DRAFTING, UNSUPPORTED_OUTPUTS
+from .generate import RIGHT_PADDING, TRANSFORMERS_DRAFTING, UNSUPPORTED_OUTPUTS, right_padded
 from .policies import ConfidenceThreshold, FixedLength, HFHeuristic
 from .policies.base import non_negative_int, probability
 
@@ -68,6 +68,9 @@ def transformers_only(model, kwargs: dict) -> str | None:
         return "num_beams > 1"
     if model.config.is_encoder_decoder:
         return f"an encoder-decoder target ({type(model).__name__})"
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and right_padded(mask):   # (Transformers runs it as given)
+        return RIGHT_PADDING
     assistant = kwargs.get("assistant_model")
     own_model = isinstance(assistant, torch.nn.Module) and not _compat.reads_target_states(assistant)
     for name, one in [("the target", model)] + [("assistant_model", assistant)] * own_model:

@@ -17,12 +17,24 @@ call from the target's `Kept` (kept.py) and, on an accelerator, run by compiled 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _compat
 from .rows import RowInts
 from .sequences import SequenceBatch
 from .slots import DynamicSlots, StaticSlots
+
+
+@dataclass(frozen=True)
+class SpecRegion:
+    """A step's speculative slots in one model's cache: from slot `start` on, reserved with the
+    padded footprint of everything written there (`CachedModel.open_region`). `moves`: the storage's
+    compactions when it opened; slots do not move while it is open (`rollback` checks)."""
+
+    start: int
+    moves: int
 
 
 class CachedModel:
@@ -55,8 +67,7 @@ class CachedModel:
             self.slots = DynamicSlots(self.model, n, self.device)
         self.static = batch.static_cache
         self.last_hidden = None
-        self._holes = False
-        self.num_real = torch.zeros(n, dtype=torch.long, device=self.device)     # [n]
+        self.num_real = RowInts.full(n, 0, self.device)     # [n] real slots per row (host copy: `holes`)
         # [n] buffer tokens in the cache (on the buffer's device)
         self.fed = batch.real_starts[batch.active] if from_first_real else RowInts.full(n, 0, batch.tokens.device)
 
@@ -83,21 +94,25 @@ class CachedModel:
 
     @property
     def holes(self) -> bool:
-        """Whether any slot is a hole (padding, a rolled-back draft) in some row: a host read, kept
-        until `slot_mask` changes other than by real slots (drafting appends only those)."""
-        if self._holes is None:
-            self._holes = not bool(self.slot_mask.all())
-        return self._holes
+        """Whether any slot is a hole (padding, a rolled-back draft) in some row: a row has fewer
+        real slots than the cache has slots. From the host's copy of `num_real`, which the loop's
+        callers keep (a read of the device only where one did not: a hierarchy's inner verification,
+        a truncation)."""
+        if self.num_real.host is None:
+            self.num_real = RowInts(self.num_real.tensor, self.num_real.tensor.tolist())
+        return self.num_real.min() < self.num_slots
 
     def lag(self, batch: SequenceBatch) -> RowInts:
         """Tokens each active row has not fed yet [n]."""
         return batch.active_lengths() - self.fed
 
-    def pending(self, batch: SequenceBatch, end: RowInts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def pending(self, batch: SequenceBatch, end: RowInts | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
         """Tokens each row has not fed yet (up to `end` [n], default its length), right-aligned with
         holes on the left, and mark them fed.
 
-        Returns (tokens [n, width], real [n, width]); width = the largest lag (>= 1 for every row).
+        Returns (tokens [n, width], real [n, width], the real ones per row on the host, or None where
+        the lags are not known there); width = the largest lag (>= 1 for every row).
         """
         rows, end = batch.active.tensor, batch.active_lengths() if end is None else end
         lags = end - self.fed
@@ -106,32 +121,44 @@ class CachedModel:
         else:
             width, least_end = torch.stack([lags.tensor.max(), end.tensor.min()]).tolist()   # one host read
         near_prompt = least_end - width < batch.prompt_len          # (decoding steps are past every prompt)
+        counts = None      # per row its real tokens, on the host: from its first unfed or first real one on
+        if lags.host is not None and batch.active.host is not None:
+            first = batch.real_starts.host
+            counts = [max(0, e - max(f, first[row])) for row, e, f in zip(batch.active.host, end.host, self.fed.host)]
         self.fed, lag, end = end.clone(), lags.tensor, end.tensor
         if width == 1 and not near_prompt:         # steady decoding: each row's last token (fewer ops)
-            return batch.tokens[rows, end - 1][:, None], (lag > 0)[:, None]       # rows without lag: a hole
+            return batch.tokens[rows, end - 1][:, None], (lag > 0)[:, None], counts   # rows without lag: a hole
         offsets = torch.arange(width, device=lag.device) - width                  # [width]
         index = (end[:, None] + offsets).clamp(min=0)                            # [n, width]
         real = offsets >= -lag[:, None]
         if near_prompt:
             real &= batch.is_real(rows, index)
-        return batch.tokens[rows[:, None], index], real
+        return batch.tokens[rows[:, None], index], real, counts
 
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None, keep: int) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None, counts: list[int] | None = None, *,
+                keep: int) -> torch.Tensor:
         """Append `tokens` [n, w] (holes where `real` is False; None: all real); logits of the last
-        `keep` slots.
+        `keep` slots. counts: the real tokens of each row, where the caller knows them on the host
+        (else `holes` reads the device for them once).
 
         Returns float32 logits [n, keep, vocab] on the device of `tokens` (a copy: the next
         compiled call may overwrite the model's own).
         """
         out_device, n = tokens.device, tokens.shape[0]
-        if real is None:
+        width = tokens.shape[1]
+        if real is None:        # (a drafter's one-token forwards: their positions in the fewest ops)
             real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+            positions = self.num_real.tensor[:, None]
+            if width > 1:
+                positions = positions + torch.arange(width, device=self.device)
+            self.num_real = self.num_real + width
         else:
-            self._holes = None
-        tokens, real = tokens.to(self.device), real.to(self.device)
-        positions = (self.num_real[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
+            real = real.to(self.device)
+            positions = (self.num_real.tensor[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
+            self.num_real = RowInts(self.num_real.tensor + real.sum(1), None if counts is None or self.num_real.host is None
+                                    else [a + b for a, b in zip(self.num_real.host, counts)])
+        tokens = tokens.to(self.device)
         logits = self.slots.forward(self, tokens, real, positions, keep)
-        self.num_real += real.sum(1)
         self.forwards += 1
         if self.keeps_hidden:
             self._keep_hidden(real, keep)
@@ -176,21 +203,38 @@ class CachedModel:
         masks = window_masks(self.model, slots, positions, self.window)
         return masks if self.full_layers_too else masks["sliding_attention"]
 
-    def rollback(self, spec_start: int, kept: RowInts) -> None:
-        """Of the speculative slots from `spec_start` on, row b keeps its first `kept[b]` (known on
-        the host: then nothing is read from the device).
+    def open_region(self, lead: int, width: int) -> SpecRegion:
+        """Reserve room for `lead` slots and then a speculative region of `width` (its whole
+        footprint: a compiled cache pads each forward, and a compaction, which moves slots, must
+        not happen inside the region); the region starts after the lead."""
+        self.slots.reserve(lead + width)
+        return SpecRegion(start=self.num_slots + lead, moves=self.slots.moves)
+
+    def rollback(self, region: SpecRegion, kept: RowInts, spec_real: list[int] | None) -> None:
+        """Of the slots of `region`, row b keeps its first `kept[b]`, of its `spec_real[b]` real
+        ones there (kept <= spec_real, or all of them; known on the host: then nothing is read from
+        the device).
 
         The kept tokens are the accepted drafts (already written to the buffer): they count as fed.
         """
+        if self.slots.moves != region.moves:
+            raise RuntimeError("a speculative region's slots moved (the cache was compacted inside it): "
+                               "its footprint was not reserved")
+        spec_start = region.start
         if spec_start == self.num_slots:      # nothing speculative (k = 0): nothing to undo
             return
         keep = kept.tensor.to(self.device)
-        slot = torch.arange(self.num_slots - spec_start, device=self.device)
-        spec = self.slot_mask[:, spec_start:]
-        drop = spec & (slot[None, :] >= keep[:, None])
-        self.num_real -= drop.sum(1)
-        self.slot_mask[:, spec_start:] = spec & ~drop
-        self._holes = None
+        dropped = None if spec_real is None or kept.host is None else [max(0, r - k) for r, k in zip(spec_real, kept.host)]
+        if dropped is not None and self.num_real.host is not None and len(set(kept.host)) == 1:
+            # every row keeps as many (batch 1, even acceptance): all slots from there on go (fewer ops)
+            self.slot_mask[:, spec_start + kept.host[0]:] = False
+            self.num_real = RowInts.of([n - d for n, d in zip(self.num_real.host, dropped)], self.device)
+        else:
+            slot = torch.arange(self.num_slots - spec_start, device=self.device)
+            spec = self.slot_mask[:, spec_start:]
+            drop = spec & (slot[None, :] >= keep[:, None])
+            self.num_real = self.num_real - RowInts(drop.sum(1), dropped)
+            self.slot_mask[:, spec_start:] = spec & ~drop
         if self.keeps_hidden:       # the last kept slot: the pending token's (spec_start - 1) + keep
             column = spec_start - 1 + keep - self._hidden_from
             self.last_hidden = self._hidden[torch.arange(len(keep), device=keep.device), column]
@@ -207,8 +251,7 @@ class CachedModel:
         after = slots.flip(1).long().cumsum(1).flip(1)             # [n, slots]: real slots at or after s
         kill = slots & (after <= drop.to(self.device)[:, None])
         slots &= ~kill
-        self._holes = None
-        self.num_real -= kill.sum(1)
+        self.num_real = self.num_real - RowInts(kill.sum(1))
         self.fed = RowInts(self.fed.tensor - drop)
         self._crop_holes()
 
@@ -218,10 +261,12 @@ class CachedModel:
         serving loop it would pile up). Positions count real slots, so nothing else moves.
         holes_from: a slot from which on every slot is a hole, known on the host: the end is cut
         there without reading the device (holes before it stay masked)."""
-        self._holes = None
         if holes_from is not None:
             if holes_from < self.num_slots:
                 self.slots.step_back(holes_from)
+            return
+        if not len(self.num_real):              # no rows left: no slot is used
+            self.slots.step_back(0)
             return
         used = self.slot_mask.any(0)                                             # [slots]
         if not len(used):
@@ -235,12 +280,6 @@ class CachedModel:
         if first_used:
             self.slots.drop_front(first_used)
 
-    def reserve(self, width: int) -> None:
-        """Room for `width` more slots (a static cache may compact its rows, which moves slots: a
-        caller that will roll back to `num_slots` reserves the whole speculative region first)."""
-        self.slots.reserve(width)
-        self._holes = None
-
     def append(self, other: "CachedModel") -> None:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
         with fewer slots gets hole slots on the left, so every row keeps its own positions."""
@@ -248,8 +287,7 @@ class CachedModel:
             raise ValueError("cache_implementation='static' is not supported by the serving engine (rows joining "
                              "a running batch); use the default cache")
         self.slots.append(other.slots)
-        self._holes = None
-        self.num_real = torch.cat([self.num_real, other.num_real])
+        self.num_real = self.num_real.cat(other.num_real)
         self.fed = self.fed.cat(other.fed)
         self.forwards += other.forwards
 
@@ -257,10 +295,9 @@ class CachedModel:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
         on_device = keep.tensor.to(self.device)
         self.slots.select_rows(on_device)
-        self.num_real = self.num_real[on_device]
+        self.num_real = self.num_real[RowInts(on_device, keep.host)]
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[on_device]
-        self._holes = None
         self.fed = self.fed[keep]
         if not self.static:      # (a static cache keeps its slots; holes there cost no memory)
             self._crop_holes()   # to no slots at all when no rows are left: joiners may `append`

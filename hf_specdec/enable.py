@@ -22,7 +22,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from . import assisted, kept, transformers_loop
-from .generate import check_spec_args
+from .generate import check_decoder_only
 from .generate import generate as spec_generate
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,10 @@ def call(model, original, args: tuple, kwargs: dict):
 
 
 def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
-    """The call's kwargs for our loop as Transformers' `custom_generate` callable, checked first:
-    a bad call fails before generate() prepares anything (for an encoder-decoder, the encoder)."""
-    check_spec_args(model, kwargs.get("assistant_models"), kwargs.get("spec_policy"))
+    """The call's kwargs for our loop as Transformers' `custom_generate` callable. What only the
+    user's own kwargs show is checked here, before generate() prepares anything (it would run an
+    encoder-decoder's encoder, and make a mask from pad ids); the rest, once, in `check_call`."""
+    check_decoder_only(model)
     _check_padding(model, args, kwargs)
     if kwargs.get("assistant_tokenizer") is not None:
         raise ValueError("assistant_tokenizer= (a draft with another tokenizer) is not supported: drafters share "

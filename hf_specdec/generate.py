@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -14,11 +15,12 @@ from . import _compat, costmodel, distributed
 from .drafters import Drafter, TargetStatesDrafter, as_drafter, output_vocab_size
 from .kept import kept_for
 from .loop import DecodingLoop
-from .offload import as_offload
+from .offload import DraftOffload, as_offload
 from .policies import SpecPolicy, auto_policy, resolve_policy
 from .sampling import TokenSampler
 from .sequences import SequenceBatch
 from .stops import StopJudge, judged_by_tokens
+from .vocab import check_same_tokens
 
 
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
@@ -50,22 +52,37 @@ def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcess
     Returns generate()'s output; `return_dict_in_generate=True` adds `.spec_stats`.
     """
     generation_config = generation_config or model.generation_config
-    drafters, policy = check_spec_args(model, assistant_models, spec_policy)
+    call = check_call(model, input_ids, logits_processor, stopping_criteria, generation_config, assistant_models,
+                      spec_policy, spec_generator, spec_streamer, draft_offload, model_kwargs)
     kept = kept_for(model)
-    if spec_policy is None or spec_policy == "auto":    # lent for this call: a concurrent one learns its own
-        lending = kept.policies.lent(tuple(map(_identity, drafters)), lambda: policy)
+    if call.auto:           # lent for this call: a concurrent one learns its own
+        lending = kept.policies.lent(tuple(map(_identity, call.drafters)), lambda: call.policy)
     else:
-        lending = contextlib.nullcontext(policy)
+        lending = contextlib.nullcontext(call.policy)
     with lending as policy:
-        return _run(model, input_ids, logits_processor, stopping_criteria, generation_config, drafters, policy,
-                    kept, spec_generator, spec_streamer, draft_offload, model_kwargs)
+        return _run(model, input_ids, generation_config, model_kwargs.get("attention_mask"), call, policy, kept)
 
 
-def _run(model, input_ids, logits_processor, stopping_criteria, generation_config, drafters, policy, kept,
-         spec_generator, spec_streamer, draft_offload, model_kwargs):
-    """`generate` once its drafters and policy are known."""
+@dataclass(kw_only=True)
+class SpecCall:
+    """A generate() call once `check_call` has checked it: what the loop runs, nothing left to check."""
+
+    drafters: list[Drafter]
+    policy: SpecPolicy              # (with `auto`, the target's kept one is used if it has one)
+    auto: bool                      # spec_policy None or "auto"
+    sampler: TokenSampler
+    stopping_criteria: StoppingCriteriaList
+    offload: DraftOffload | None
+    streamer: object | None
+
+
+def check_call(model, input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig,
+               assistant_models, spec_policy, spec_generator, spec_streamer, draft_offload, model_kwargs: dict) -> SpecCall:
+    """Everything a call needs, checked before any work, in one place: a ValueError or TypeError
+    naming the argument and what was expected; the models and caches are left as they were."""
+    drafters, policy = check_spec_args(model, assistant_models, spec_policy)
     offload = as_offload(draft_offload)
-    _check_call(model, input_ids, generation_config, model_kwargs)
+    _check_inputs(model, input_ids, generation_config, model_kwargs)
     if spec_generator is not None and not isinstance(spec_generator, torch.Generator):
         raise TypeError(f"spec_generator must be a torch.Generator or None, got {type(spec_generator).__name__}")
     if spec_streamer is not None and not all(callable(getattr(spec_streamer, m, None)) for m in ("put", "end")):
@@ -75,35 +92,56 @@ def _run(model, input_ids, logits_processor, stopping_criteria, generation_confi
     ensemble_weight = _check_ensemble(generation_config, drafters)
     sampler = TokenSampler(logits_processor, generation_config.do_sample, spec_generator,  # may refuse processors
                            ensemble_weight)
-    stopping_criteria = stopping_criteria or StoppingCriteriaList()
+    return SpecCall(drafters=drafters, policy=policy, auto=spec_policy is None or spec_policy == "auto",
+                    sampler=sampler, stopping_criteria=stopping_criteria or StoppingCriteriaList(), offload=offload,
+                    streamer=spec_streamer)
+
+
+def _run(model, input_ids, generation_config: GenerationConfig, attention_mask, call: SpecCall, policy: SpecPolicy,
+         kept) -> torch.LongTensor:
+    """`generate` once checked, with the call's policy (the target's kept "auto" one, lent)."""
+    drafters, sampler, stopping_criteria = call.drafters, call.sampler, call.stopping_criteria
     # generate() pads finished rows only when an EOS criterion exists; otherwise rows that a
     # criterion stopped keep producing real tokens until every row has stopped.
     freeze_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     ranks = distributed.ranks_of(model)
     if ranks is not None:        # tensor parallelism: every rank runs rank 0's decisions and draws
-        distributed.check(ranks, model, drafters, input_ids, draft_offload)
+        distributed.check(ranks, model, drafters, input_ids, call.offload)
         policy = distributed.RankZeroPolicy(policy, ranks)
         if sampler.do_sample:
             sampler.generator = ranks.shared_generator(sampler.generator, input_ids.device)
         if not judged_by_tokens(stopping_criteria):
             stopping_criteria = StoppingCriteriaList([distributed.RankZeroCriteria(stopping_criteria, ranks)])
-    if spec_streamer is not None:
-        spec_streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
+    if call.streamer is not None:
+        call.streamer.put(input_ids.cpu())  # generate() does this for `streamer=`, which never reaches us
 
     static = generation_config.cache_implementation == "static"
-    batch = SequenceBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length,
+    batch = SequenceBatch(input_ids, attention_mask, generation_config.max_length,
                           pad_token_id=_compat.pad_token_id(generation_config), static_cache=static,
                           compile_config=_compat.compile_config(model, generation_config) if static else None,
                           kept=kept)
     ensure_profile(policy, model, drafters, input_ids.shape[0], ranks)
     stops = StopJudge(stopping_criteria, input_ids.shape[0], generation_config.max_length, input_ids.device,
                       freeze_finished)
-    loop = DecodingLoop(model, batch, drafters, policy, sampler, stops, spec_streamer, offload)
+    loop = DecodingLoop(model, batch, drafters, policy, sampler, stops, call.streamer, call.offload)
     stats = loop.run()
     sequences = batch.output()
     if generation_config.return_dict_in_generate:
         return _compat.SpecGenerateOutput(sequences=sequences, spec_stats=stats)
     return sequences
+
+
+RIGHT_PADDING = "attention_mask has padding after real tokens (right padding); decoder-only generation needs left padding"
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether some row of `attention_mask` [batch, len] has a pad after a real token (one host read)."""
+    return bool(_pads_after_real(attention_mask.bool()))
+
+
+def _pads_after_real(real: torch.Tensor) -> torch.Tensor:
+    """[] bool: whether some row of `real` [batch, len] has a pad after a real token."""
+    return (real[:, :-1] & ~real[:, 1:]).any()
 
 
 def _identity(drafter: Drafter):
@@ -114,11 +152,16 @@ def _identity(drafter: Drafter):
     return tuple(map(weakref.ref, models)) if models else type(drafter).__name__
 
 
-def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
-    """Validate the target, `assistant_models` and `spec_policy`; (drafters, policy)."""
+def check_decoder_only(model) -> None:
+    """The batched loop's targets are decoder-only (`enable` asks before Transformers runs an encoder)."""
     if model.config.is_encoder_decoder:
         raise ValueError(f"the batched loop runs decoder-only targets; {type(model).__name__} is an encoder-decoder: "
                          "hf_specdec.enable(model, loop='transformers') runs it through Transformers' assisted loop")
+
+
+def check_spec_args(model, assistant_models, spec_policy) -> tuple[list[Drafter], SpecPolicy]:
+    """Validate the target, `assistant_models` and `spec_policy`; (drafters, policy)."""
+    check_decoder_only(model)
     drafters = _check_drafters(model, assistant_models)
     if spec_policy is None or spec_policy == "auto":        # (generate() uses the target's kept one)
         policy = auto_policy(len(drafters), all(d.scorable for d in drafters))
@@ -180,6 +223,8 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
         if drafter.vocab_size is not None and drafter.vocab_size != target_vocab:
             raise ValueError(f"assistant_models[{i}] has vocabulary size {drafter.vocab_size} but the target has "
                              f"{target_vocab}; drafters must share the target's vocabulary")
+        for draft in drafter.models():
+            check_same_tokens(model, draft, f"assistant_models[{i}]")
     return drafters
 
 
@@ -227,7 +272,7 @@ def _check_ensemble(generation_config: GenerationConfig, drafters: list[Drafter]
     return float(weight)
 
 
-def _check_call(model, input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+def _check_inputs(model, input_ids, generation_config: GenerationConfig, model_kwargs: dict) -> None:
     if generation_config.num_beams > 1:
         raise ValueError(f"beam search (num_beams={generation_config.num_beams}) is not supported with "
                          "speculative decoding; use num_beams=1")
@@ -251,20 +296,20 @@ def _check_call(model, input_ids, generation_config: GenerationConfig, model_kwa
         raise ValueError(f"input_ids must be [batch, seq_len] with seq_len >= 1, got shape {tuple(input_ids.shape)}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+                         f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    # one host read for all of it: the ids' range, right padding, rows without a real token
+    low, high, right, empty = torch.stack([input_ids.min(), input_ids.max(), _pads_after_real(real).long(),
+                                           (~real.any(1)).any().long()]).tolist()
     vocab = model.get_input_embeddings().weight.shape[0]
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the target's embeddings), got values "
                          f"from {low} to {high}")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
-                             f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
-        real = mask.bool()
-        if bool((real[:, :-1] & ~real[:, 1:]).any()):     # a pad after a real token: not left padding
-            raise ValueError("attention_mask has padding after real tokens (right padding); decoder-only "
-                             "generation needs left padding: tokenizer(..., padding_side='left')")
+    if right:
+        raise ValueError(RIGHT_PADDING + ": tokenizer(..., padding_side='left')")
+    if empty:
         empty = (~real.any(1)).nonzero().flatten().tolist()
-        if empty:
-            raise ValueError(f"attention_mask rows {empty} have no real token: every row needs a prompt")
+        raise ValueError(f"attention_mask rows {empty} have no real token: every row needs a prompt")

@@ -15,6 +15,18 @@ One step (`DecodingLoop.step`) of the rows still decoding; each phase hands the 
   observe  the policy gets the record (its phase times read without waiting on the device).
 The models' side of each phase is `CachedModel`'s, on a dynamic or a static (compiled) cache.
 
+Host reads (each a sync on a GPU), all a step makes on either cache:
+  - the read above: one a step, none on a plain step in which no row can stop;
+  - a step where some rows finish and others go on: one per dynamic cache (the target's, each
+    model drafter's), finding the slots only finished rows used (a static cache keeps them);
+  - full-information feedback (`scoring`), on the steps the selector asks for it: a few per
+    drafter (its replay), independent of the batch; a hierarchy's inner cycles read once each;
+  - a static cache that fills up compacts its rows: one read, rarely.
+Everything else the step needs on the host comes from the host's own copies (`RowInts`: lengths,
+limits, what each cache has fed and how many real slots it holds, the processors' prefix
+lengths), and index lists go to the device through pinned memory, without blocking
+(`rows.to_device`). tests/test_api.py counts them.
+
 Names, one per idea:
   k          a step's draft length: the most drafts any row proposes (`Decision.k` the policy's,
              `StepPlan.k` / `StepRecord.k` after the budget; `StepRecord.decided_k` the policy's)
@@ -36,7 +48,7 @@ from .cached_model import CachedModel
 from .drafters import Drafter, Proposal
 from .offload import RESIDENT, DraftOffload
 from .policies import Decision, SpecPolicy, StepContext
-from .rows import RowInts
+from .rows import RowInts, to_device
 from .sampling import TokenSampler
 from .scoring import prime, score_drafters
 from .sequences import SequenceBatch
@@ -146,7 +158,7 @@ class DecodingLoop:
         t0, c0 = timing.now(), self.clock.mark()
         proposal, drafted = self.draft(plan)
         c1 = self.clock.mark()
-        verified = target_verify(self.target, self.batch, proposal.tokens, proposal.counts.tensor, proposal.probs,
+        verified = target_verify(self.target, self.batch, proposal.tokens, proposal.counts, proposal.probs,
                                  self.sampler, rollback=False, ensemble=True)
         t2, c2 = timing.now(), self.clock.mark()
         outcome = self.read(plan, proposal, verified)
@@ -231,12 +243,12 @@ class DecodingLoop:
         """Each row keeps its accepted drafts + 1 token, cut at a stop; every cache forgets the
         rest; finished rows retire; drafters are scored if the selector asked. Reads nothing more."""
         batch, rows, accepted = self.batch, self.batch.active, outcome.accepted
-        self.target.rollback(verified.spec_start, accepted)
+        self.target.rollback(verified.region, accepted, proposal.counts.host)
         for d in set(plan.choice) - {-1}:
             mine = [c == d for c in plan.choice]
             self.drafters[d].accepted(accepted if all(mine) else accepted.map(
                 lambda a, m: torch.where(m, a, 0), lambda a, m: a if m else 0,
-                RowInts(torch.tensor(mine, device=accepted.tensor.device), mine)))
+                RowInts(to_device(mine, accepted.tensor.device, torch.bool), mine)))
         emitted = accepted + 1
         stopped = outcome.stops is not None and outcome.stops.max() >= 0
         if stopped:
@@ -283,7 +295,7 @@ class DecodingLoop:
         if len(keep) == len(rows):
             return RowInts(torch.arange(len(rows), device=rows.tensor.device), keep)
         finished = [row for row, d in zip(rows.host, done) if d]
-        index = torch.tensor(keep + finished, device=rows.tensor.device)
+        index = to_device(keep + finished, rows.tensor.device)
         kept = RowInts(index[:len(keep)], keep)
         batch.clear_scratch(index[len(keep):])    # finished rows read as generate()'s: pad past the end
         batch.active = rows[kept]
@@ -315,7 +327,7 @@ def _pick_rows(proposals: dict[int, Proposal], choice: list[int]) -> Proposal:
     """Row i's drafts from proposals[choice[i]] (drafters may stop at different widths: zero-padded)."""
     order = sorted(proposals)
     device = proposals[order[0]].tokens.device
-    pick, rows = torch.tensor([order.index(d) for d in choice], device=device), torch.arange(len(choice), device=device)
+    pick, rows = to_device([order.index(d) for d in choice], device), torch.arange(len(choice), device=device)
     width = max(p.tokens.shape[1] for p in proposals.values())
 
     def stacked(values):        # [drafters, n, width, ...] padded, then each row's own

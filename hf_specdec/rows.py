@@ -11,6 +11,15 @@ from __future__ import annotations
 import torch
 
 
+def to_device(values: list, device, dtype=torch.long) -> torch.Tensor:
+    """A host list as a tensor on `device` without making the host wait: copied from pinned memory,
+    non-blocking (a copy from pageable memory would first wait for the device's queued work)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cpu":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class RowInts:
     """tensor [n] (long, on the device) and host: the same n ints as a list, or None (unknown)."""
 
@@ -21,8 +30,8 @@ class RowInts:
 
     @classmethod
     def of(cls, host: list[int], device) -> "RowInts":
-        """Both copies from host numbers (one copy to the device)."""
-        return cls(torch.tensor(host, dtype=torch.long, device=device), list(host))
+        """Both copies from host numbers (one non-blocking copy to the device)."""
+        return cls(to_device(host, device), list(host))
 
     @classmethod
     def full(cls, n: int, value: int, device) -> "RowInts":

@@ -11,6 +11,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
+from .rows import RowInts
 from .sequences import SequenceBatch
 
 # Processors whose output depends on the scores only (not on input_ids or their length).
@@ -42,9 +43,10 @@ class TokenSampler:
         self.keeps_probs = do_sample or ensemble_weight is not None     # drafters hand over q
         self._position_free = all(isinstance(p, _POSITION_FREE) for p in self.processors)
 
-    def scores(self, batch: SequenceBatch, logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def scores(self, batch: SequenceBatch, logits: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """Processed scores for `logits` [n, m, vocab] of the active rows, whose position j
-        follows the prefix of length `lengths + offset + j`. Returns [n, m, vocab] float32."""
+        follows the prefix of length `lengths + offset + j` (offset: an int, or per row [n]).
+        Returns [n, m, vocab] float32."""
         if not self.processors:
             return logits
         n, m, vocab = logits.shape
@@ -53,8 +55,10 @@ class TokenSampler:
             dummy = batch.tokens[rows][:, :1].repeat_interleave(m, 0)
             return self.processors(dummy, logits.reshape(n * m, vocab)).view(n, m, vocab)
         out = torch.empty_like(logits)
-        prefix = batch.lengths.tensor[rows] + offset                                  # [n]
-        distinct = set(prefix.tolist())                      # the one host read: how many groups
+        lengths = batch.active_lengths()                                             # [n]
+        prefix = lengths + offset if isinstance(offset, int) else RowInts(lengths.tensor + offset)
+        distinct = set(prefix.tolist())      # the host's copy (read from the device only without one)
+        prefix = prefix.tensor
         full = logits.new_zeros(batch.tokens.shape[0], vocab)  # all rows: see below
         for j in range(m):
             for length in sorted(d + j for d in distinct):

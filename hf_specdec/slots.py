@@ -34,6 +34,7 @@ class DynamicSlots:
         self.rows = rows
         self.mask = torch.zeros(rows, 0, dtype=torch.bool, device=device)      # [rows, used]
         self.used = 0
+        self.moves = 0            # compactions so far (a dynamic cache never moves slots)
 
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
         """Append tokens [n, w] (real [n, w]) at positions [n, w]: logits [n, >= keep, vocab].
@@ -103,7 +104,7 @@ class StaticSlots:
             self.full, self.views, self.alloc_rows = [], {}, 0
         else:
             self._use_rows(self.rows)
-        self.used = 0
+        self.used, self.moves = 0, 0              # moves: compactions so far (`CachedModel.open_region`)
         _compat.set_static_length(self.cache, 0)
         self._mask = torch.zeros(self.alloc_rows or self.rows, self.capacity, dtype=torch.bool, device=device)
         self._mark_dummies()
@@ -135,16 +136,14 @@ class StaticSlots:
         """As `DynamicSlots.forward`; compiled at a tier shape once the cache is allocated."""
         n, end = tokens.shape
         tier = width_tier(end) if self.compiled and self.full else None
-        if tier is not None:          # hole slots on the right up to the tier's width
-            tokens, real, positions = (_pad_right(t, tier) for t in (tokens, real, positions))
-        width = tokens.shape[1]
+        width = tier or end
         self.reserve(width)
-        self._mask[:n, self.used:self.used + width] = real
+        # hole slots on the right up to the tier's width, dummy rows below up to the bucket
+        self._mask[:n, self.used:self.used + width] = _pad(real, n, width)    # (the pad's slots: holes)
+        tokens, positions = (_pad(t, self.rows, width) for t in (tokens, positions))
         cache_position = _compat.static_cache_position(self.used, width, tokens.device)
         self.used += width
         mask = self._mask[:self.rows]             # the whole capacity is the key length (unwritten slots are 0)
-        if self.rows > n:                         # dummy rows up to the bucket
-            tokens, positions = _pad_rows(tokens, self.rows), _pad_rows(positions, self.rows)
         if tier is None:
             logits = runner.eager(self.cache, tokens, mask, positions, keep, cache_position=cache_position)
             if not self.full:                     # the first forward allocated the cache
@@ -190,6 +189,7 @@ class StaticSlots:
         self._mask[:self.rows] = False
         self._mask[:self.rows, :keep] = torch.arange(keep, device=count.device)[None, :] < count[:, None]
         self.used = keep
+        self.moves += 1
         _compat.set_static_length(self.cache, keep)
 
     def step_back(self, used: int) -> None:
@@ -206,21 +206,17 @@ class StaticSlots:
         rows = rows_bucket(m) if self.compiled else m
         index = torch.cat([keep, keep.new_zeros(rows - m)])                       # [rows]: dummies copy row 0
         if self.full:
-            picked = [tuple(t[index] for t in pair) for pair in self.views[self.rows]]
+            picked = [t[index] for pair in self.views[self.rows] for t in pair] if m else []
             self._use_rows(rows)
-            for pair, new in zip(self.views[rows], picked):
-                for t, p in zip(pair, new):
-                    t.copy_(p)
+            if picked:                       # (no rows left: nothing to copy)
+                torch._foreach_copy_([t for pair in self.views[rows] for t in pair], picked)
         self._mask[:rows] = self._mask[index]
         self.n, self.rows = m, rows
         self._mark_dummies()
 
 
-def _pad_right(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[n, w] -> [n, width] with zeros (False: holes) on the right."""
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """[n, w] -> [rows, w] with zero rows below."""
-    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0]))
+def _pad(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """[n, w] -> [rows, width] with zeros on the right and below (one op; none when it fits)."""
+    if t.shape == (rows, width):
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1], 0, rows - t.shape[0]))

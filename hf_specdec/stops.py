@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .rows import RowInts
+from .rows import RowInts, to_device
 
 
 def judged_by_tokens(stopping_criteria) -> bool:
@@ -54,7 +54,7 @@ class StopJudge:
         buffer `tokens`, written from start[n] on: [n] the length at the stop, -1 where none; None
         when no row can stop (nothing to read). most: the largest `emitted`."""
         if not self._by_tokens:
-            return torch.tensor(self._by_call(tokens, rows, start, emitted), device=rows.tensor.device)
+            return to_device(self._by_call(tokens, rows, start, emitted), rows.tensor.device)
         reaches_max = start.max() + most >= self._max_length     # a row may reach max_length
         if self._eos is None and not reaches_max:
             return None

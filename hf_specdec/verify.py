@@ -17,7 +17,7 @@ import torch
 from .rows import RowInts
 
 if TYPE_CHECKING:
-    from .cached_model import CachedModel
+    from .cached_model import CachedModel, SpecRegion
     from .sampling import TokenSampler
     from .sequences import SequenceBatch
 
@@ -95,40 +95,40 @@ class Verified:
     result: VerifyResult
     scores: torch.Tensor   # [n, w+1, vocab] processed scores of positions start .. start + w
     logits: torch.Tensor   # [n, w+1, vocab] the verifier's logits of those positions
-    spec_start: int        # the model's first slot of the drafts (`CachedModel.rollback`)
+    region: SpecRegion     # the model's slots of the drafts (`CachedModel.rollback`)
 
 
-def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor, draft_counts: torch.Tensor,
+def target_verify(model: CachedModel, batch: SequenceBatch, drafts: torch.Tensor, counts: RowInts,
                   draft_probs: torch.Tensor | None, sampler: TokenSampler, head: torch.Tensor | None = None,
                   rollback: bool = True, ensemble: bool = False) -> Verified:
     """Verify drafts with `model`: the target of a step, or a hierarchy's intermediate model.
 
     One forward over each active row's tokens not yet fed up to its length and its drafts [n, w],
-    already written at its end (row b proposes its first draft_counts[b]); `verify`; with `rollback`
+    already written at its end (row b proposes its first counts[b]); `verify`; with `rollback`
     the model's cache keeps each row's accepted drafts and forgets the rest (else the caller does,
-    from `spec_start`, when it has read the counts). head: [n, vocab] logits of the position at
+    with `region`, when it has read the counts). head: [n, vocab] logits of the position at
     each row's end, when the model has fed every row up to there: only the drafts are fed.
     ensemble: verify with the sampler's ensemble weight (the target's verification only: a
     hierarchy's intermediate stays lossless).
     """
     width = drafts.shape[1]
-    draft_real = torch.arange(width, device=draft_counts.device)[None, :] < draft_counts[:, None]
+    draft_real = torch.arange(width, device=counts.tensor.device)[None, :] < counts.tensor[:, None]
     if head is not None:
-        model.reserve(width)
-        spec_start = model.num_slots
+        region = model.open_region(0, width)
         logits = head[:, None]
         if width:
-            logits = torch.cat([logits, model.forward(drafts, draft_real, width)], 1)
+            logits = torch.cat([logits, model.forward(drafts, draft_real, counts.host, keep=width)], 1)
     else:
-        pending, real = model.pending(batch)
-        model.reserve(pending.shape[1] + width)
-        spec_start = model.num_slots + pending.shape[1]
+        pending, real, pending_counts = model.pending(batch)
+        region = model.open_region(pending.shape[1], width)
         if width:
             pending, real = torch.cat([pending, drafts], 1), torch.cat([real, draft_real], 1)
-        logits = model.forward(pending, real, width + 1)
+        both = None if pending_counts is None or counts.host is None else \
+            [p + d for p, d in zip(pending_counts, counts.host)]
+        logits = model.forward(pending, real, both, keep=width + 1)
     scores = sampler.scores(batch, logits)                            # [n, w+1, vocab]
-    result = verify(drafts, draft_counts, scores, draft_probs, sampler.do_sample, sampler.generator,
+    result = verify(drafts, counts.tensor, scores, draft_probs, sampler.do_sample, sampler.generator,
                     sampler.ensemble_weight if ensemble else None)
     if rollback:
-        model.rollback(spec_start, RowInts(result.num_accepted))
-    return Verified(result, scores, logits, spec_start)
+        model.rollback(region, RowInts(result.num_accepted), counts.host)
+    return Verified(result, scores, logits, region)

@@ -44,9 +44,9 @@ class ForwardClock:
         from hf_specdec import cached_model, timing
         forward = cached_model.CachedModel.forward
 
-        def timed(runner, tokens, real, keep):
+        def timed(runner, tokens, real, counts=None, *, keep):
             self.time += self.cost(runner.model, tokens.numel())
-            return forward(runner, tokens, real, keep)
+            return forward(runner, tokens, real, counts, keep=keep)
         monkeypatch.setattr(cached_model.CachedModel, "forward", timed)
         monkeypatch.setattr(timing, "now", self.now)
 
@@ -83,9 +83,10 @@ def step_record(batch_size, drafters, k, proposed, accepted, emitted, draft_s=0.
 class HostReads(TorchFunctionMode):
     """Counts what would be host syncs on a GPU, on any device: reads of a tensor's values into
     Python (item, tolist, bool/int/float, `.cpu()`), ops whose output shape depends on values
-    (nonzero, unique, masked_select, boolean indexing) and copies of host tensors to the device
-    (`torch.tensor(..., device=...)`, `.to`). A tensor that came from `.cpu()` is a host tensor,
-    and so is whatever is computed from it: reading those costs no sync. Only hf_specdec's own
+    (nonzero, unique, masked_select, boolean indexing) and blocking copies of host tensors to the
+    device (`torch.tensor(..., device=...)`, `.to` without non_blocking=True). A tensor made from
+    Python values or that came from `.cpu()` is a host tensor, and so is whatever is computed from
+    it: reading those costs no sync. Only hf_specdec's own
     reads count (not those inside the model's forward, which plain generate() makes too)."""
 
     READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "equal",
@@ -128,10 +129,12 @@ class HostReads(TorchFunctionMode):
         elif name == "tensor":
             self.count += "device" in kwargs            # a host list copied to the device
         elif name in ("to", "cuda"):
-            self.count += on_host
+            self.count += on_host and not kwargs.get("non_blocking", False)
         elif name in self.READS and not on_host:
             self.count += 1
         out = func(*args, **kwargs)
-        if on_host and name not in ("to", "cuda") or name == "cpu":
+        if on_host and name not in ("to", "cuda") or name == "cpu" or name == "tensor" and "device" not in kwargs:
             self._mark(out)
+        elif name in ("to", "cuda") and isinstance(out, torch.Tensor):
+            self._host.pop(id(out), None)        # on the device now (on a CPU `.to` returns the tensor itself)
         return out

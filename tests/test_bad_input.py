@@ -214,3 +214,40 @@ def test_bad_drafters_and_enable_arguments(models, make, exc, match):
     with pytest.raises(exc, match=match):
         make(draft)
     assert not hasattr(draft, "_hf_specdec_original_generate")
+
+
+def _word_tokenizer(directory, words: list[str]):
+    """A real fast tokenizer over `words` (ids in order), saved to `directory`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=inner, unk_token=words[0]).save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_gets_a_warning(tmp_path):
+    """Equal vocabulary sizes, other token tables (as Llama 2 and Mistral): the call runs, exact (every
+    draft is verified), with a TokenizerMismatchWarning naming the drafter; the same table (another
+    directory) and models without a tokenizer get none."""
+    import warnings
+    target, draft = build("llama", 2, seed=0), build("llama", 1, seed=1)
+    words = [f"w{i}" for i in range(target.config.vocab_size)]
+    target.config.name_or_path = _word_tokenizer(tmp_path / "target", words)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False)
+
+    def run():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = target.generate(ids, max_new_tokens=6, do_sample=False, custom_generate=hf_specdec.generate,
+                                  assistant_models=[draft], spec_policy="fixed:3")
+        assert torch.equal(out, plain)
+        return [w for w in caught if issubclass(w.category, hf_specdec.TokenizerMismatchWarning)]
+    assert not run()                                              # the draft names no tokenizer
+    draft.config.name_or_path = _word_tokenizer(tmp_path / "same", words)
+    assert not run()
+    draft.config.name_or_path = _word_tokenizer(tmp_path / "other", words[:10] + words[10:][::-1])
+    caught = run()
+    assert len(caught) == 1 and "assistant_models[0]" in str(caught[0].message) and \
+        f"{target.config.vocab_size - 10} token ids" in str(caught[0].message)

@@ -143,8 +143,8 @@ def test_pending_leaves_rows_without_lag_as_holes(models):
     runner.forward(*runner.pending(batch), keep=1)              # both rows fed up to length 5
     batch.tokens[0, 5] = 3
     batch.lengths = batch.lengths + RowInts.of([1, 0], "cpu")   # row 0 lags one token, row 1 none
-    tokens, real = runner.pending(batch)
-    assert tokens[0].tolist() == [3] and real.tolist() == [[True], [False]]
+    tokens, real, counts = runner.pending(batch)
+    assert tokens[0].tolist() == [3] and real.tolist() == [[True], [False]] and counts == [1, 0]
 
 
 def test_requests_longer_than_the_first_buffer_get_all_their_tokens(models):

@@ -59,6 +59,7 @@ def _transformers_alone(model, **kwargs):
 @pytest.mark.parametrize("make,setting,reason", [
     (_llama, {"output_scores": True, "return_dict_in_generate": True}, "output_scores=True"),
     (tiny_t5, {}, "encoder-decoder target"),
+    (_llama, {"attention_mask": torch.tensor([[1] * 7 + [0] * 2])}, "right padding"),   # as Transformers runs it
 ])
 def test_calls_our_loop_cannot_run_get_transformers_own_result(make, setting, reason, caplog):
     target, draft = make(), noisy_copy(make(), 0.05)

@@ -134,12 +134,12 @@ class HierarchicalDrafter(Drafter):
         c0, warmups = self.clock.mark(), batch.warmups.calls
         if kd:
             proposal = self.lower.propose(batch, kd)
-            counts = proposal.counts.tensor
+            counts = proposal.counts
             width = proposal.counts.max()
             drafts, probs = proposal.tokens[:, :width], proposal.probs
             probs = probs[:, :width] if probs is not None else None
         else:
-            counts, probs = torch.zeros_like(length), None
+            counts, probs = RowInts.full(len(rows), 0, length.device), None
             drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=length.device)
         batch.write(rows, length, drafts)
         c1 = self.clock.mark()
@@ -149,7 +149,7 @@ class HierarchicalDrafter(Drafter):
             self.lower.accepted(RowInts(result.num_accepted))
         batch.tokens[rows, length + result.num_accepted] = result.next_tokens
         c2 = self.clock.mark()
-        proposed, accepted = torch.stack([counts, result.num_accepted]).tolist()    # one host read
+        proposed, accepted = torch.stack([counts.tensor, result.num_accepted]).tolist()    # one host read
         self.stats.cycles += 1
         self.stats.proposed += sum(proposed)
         self.stats.accepted += sum(accepted)

@@ -33,20 +33,20 @@ def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, continue_
     rows = batch.active.tensor
     start = batch.active_lengths().tensor
     counts = [k] * len(rows)                         # on the host: continue_drafting answers in lists
-    drafts, probs, seen, confidence = [], [], [], []
+    drafts, probs, seen, picked_from = [], [], [], []
     asked = [[] for _ in range(len(rows))]           # confidences on the host, a column per draft
     for j in range(k):
         seen.append(logits[:, 0])
         scores = sampler.scores(batch, logits, offset=j)[:, 0]        # [n, vocab]
         token = sampler.pick(scores)
-        dist = sampler.probs(scores)
+        picked_from.append(scores)
         if sampler.keeps_probs:
-            probs.append(dist)
-        confidence.append(dist.gather(1, token[:, None]).squeeze(1))
+            probs.append(sampler.probs(scores))
         batch.tokens[rows, start + j] = token
         drafts.append(token)
         if continue_drafting is not None and j < k - 1:
-            for row, c in zip(asked, confidence[-1].tolist()):
+            dist = probs[-1] if probs else sampler.probs(scores)
+            for row, c in zip(asked, dist.gather(1, token[:, None]).squeeze(1).tolist()):
                 row.append(c)
             # a row that says no keeps its j + 1 drafts (a row that stopped stays stopped)
             counts = [j + 1 if n == k and not more else n for n, more in zip(counts, continue_drafting(asked))]
@@ -57,8 +57,10 @@ def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, continue_
     # (without continue_drafting every row drafted k: no host list to copy to the device)
     counts = RowInts.of(counts, start.device) if continue_drafting is not None else \
         RowInts(torch.full_like(start, len(drafts)), [len(drafts)] * len(rows))
-    return Proposal(torch.stack(drafts, 1), counts, torch.stack(probs, 1) if probs else None,
-                    torch.stack(confidence, 1)), torch.stack(seen, 1)
+    tokens = torch.stack(drafts, 1)                                     # [n, k']
+    dist = torch.stack(probs, 1) if probs else sampler.probs(torch.stack(picked_from, 1))   # (all drafts at once)
+    confidence = dist.gather(2, tokens[..., None]).squeeze(2)
+    return Proposal(tokens, counts, dist if probs else None, confidence), torch.stack(seen, 1)
 
 
 class ModelDrafter(Drafter):
@@ -77,7 +79,7 @@ class ModelDrafter(Drafter):
     def begin(self, batch, sampler):
         super().begin(batch, sampler)
         self.runner.reset(batch)
-        self._spec_start = None
+        self._region = None
         # Logits the drafter already holds for positions from the current step's start on, so that
         # scoring (`replay`) and the next proposal need no extra forward:
         #   _known [n, P, vocab]: row b's first _known_count[b] columns predict positions start[b]..
@@ -89,16 +91,14 @@ class ModelDrafter(Drafter):
         if self._head is not None and self._caught_up(batch):
             logits = self._head[:, None]                 # caught up by the last replay
         else:
-            tokens, real = self.runner.pending(batch)    # catch up the lag, then draft
-            logits = self.runner.forward(tokens, real, keep=1)
+            logits = self.runner.forward(*self.runner.pending(batch), keep=1)    # catch up the lag, then draft
         self._head = None
         # the drafts' own forwards, so that no compaction moves slots inside the speculative region:
         # k - 1 one-token forwards, each padded to width 2 on a compiled cache and stepped back over
         # the pad, so the last one writes the region's k-th slot
-        self.runner.reserve(k)
-        self._spec_start = self.runner.num_slots
+        self._region = self.runner.open_region(0, k)
         proposal, self._known = sample_drafts(self.sampler, batch, k, continue_drafting, logits,
-                                              lambda token: self.runner.forward(token[:, None], None, 1))
+                                              lambda token: self.runner.forward(token[:, None], None, keep=1))
         self._fed_drafts = proposal.tokens.shape[1] - 1  # the last draft was never fed
         self._known_start = start.clone()                # _known [n, k', vocab] predicts start .. start+k'-1
         return proposal
@@ -111,11 +111,11 @@ class ModelDrafter(Drafter):
 
     def accepted(self, num_accepted):
         kept = num_accepted.minimum(self._fed_drafts)
-        self.runner.rollback(self._spec_start, kept)
+        self.runner.rollback(self._region, kept, [self._fed_drafts] * len(kept))
         self._known_count = kept.tensor + 1     # the logits after each kept draft are still right
-        self._spec_start = None
+        self._region = None
 
-    def verify(self, batch: SequenceBatch, drafts: torch.Tensor, draft_counts: torch.Tensor,
+    def verify(self, batch: SequenceBatch, drafts: torch.Tensor, draft_counts: RowInts,
                draft_probs: torch.Tensor | None) -> Verified:
         """This model verifies another drafter's drafts [n, w], written at each active row's end
         (the intermediate of a hierarchy): `target_verify` on its cache, from the logits it holds
@@ -146,8 +146,7 @@ class ModelDrafter(Drafter):
         needed = count + 1 - known_count                                 # [n] positions to feed
         keep, fits = torch.stack([needed.max(), (self.runner.lag(batch).tensor >= needed).all().long()]).tolist()
         assert fits, "replay: lost positions"
-        tokens, real = self.runner.pending(batch)
-        out = self.runner.forward(tokens, real, keep=keep)               # [n, keep, vocab]
+        out = self.runner.forward(*self.runner.pending(batch), keep=keep)    # [n, keep, vocab]
         # column c of `out` predicts position lengths - keep + c, i.e. step column j = c + count - keep + 1
         j = torch.arange(width, device=count.device)[None, :]            # [1, width]
         column = (j - count[:, None] + keep - 1).clamp(0, keep - 1)       # [n, width]

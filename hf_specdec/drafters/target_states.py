@@ -57,7 +57,7 @@ class TargetStatesDrafter(Drafter):
             return Proposal(batch.tokens.new_zeros(n, k), RowInts.full(n, 0, batch.tokens.device))
         # the target has fed every token but each row's last (its lag is 1): that token's position
         # is the number of real slots, and every real slot is before it
-        positions = target.num_real[:, None]                                   # [n, 1]
+        positions = target.num_real.tensor[:, None]                                   # [n, 1]
         slots = target.slot_mask
         masks = window_masks(self.model, slots, positions, self.window or slots.shape[1] + 1)
         shared_kv = {kind: target.layer_states(index) for kind, index in self.sources.items()}
