@@ -125,13 +125,13 @@ def forward_ms(model, ids: torch.Tensor, width: int, reps: int, compile_config=N
     runner.forward(ids, None, keep=1)                      # the prefill allocates the cache
     nothing = RowInts.full(len(ids), 0, ids.device)
     for _ in range(reps + 3):
-        first = runner.num_slots
+        region = runner.open_region(0, width)
         sync()
         start = time.perf_counter()
         runner.forward(ids[:, -width:], None, keep=width)
         sync()
         times.append(time.perf_counter() - start)
-        runner.rollback(first, nothing)                     # the same slots again next time
+        runner.rollback(region, nothing, [width] * len(ids))     # the same slots again next time
     return 1e3 * statistics.median(times[3:])
 
 
