@@ -15,7 +15,7 @@ def to_device(values: list, device, dtype=torch.long) -> torch.Tensor:
     """A host list as a tensor on `device` without making the host wait: copied from pinned memory,
     non-blocking (a copy from pageable memory would first wait for the device's queued work)."""
     host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type == "cuda":     # (other accelerators: a plain copy)
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
