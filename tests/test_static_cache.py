@@ -40,13 +40,13 @@ def test_full_caches_are_compacted_and_grown_without_changing_a_token(monkeypatc
     """With no slack a static cache fills within a few steps where rows accept different counts:
     its rows are compacted (and grown when that is not enough), and the output stays exact."""
     monkeypatch.setattr(slots, "static_capacity", lambda tokens: tokens + 1)
-    moved, reserve = [], cached_model.CachedModel.reserve
+    moved, reserve = [], slots.StaticSlots.reserve
 
-    def counted(self, width):
-        if self.static and self.num_slots + width > self.slots.capacity:
-            moved.append(width)
-        return reserve(self, width)
-    monkeypatch.setattr(cached_model.CachedModel, "reserve", counted)
+    def counted(self, width):                  # the compactions (`moves`: each also when it grew)
+        before = self.moves
+        reserve(self, width)
+        moved.extend([width] * (self.moves - before))
+    monkeypatch.setattr(slots.StaticSlots, "reserve", counted)
     target, draft = layer_skip_pair(0.05, layers=3, hidden=64, vocab=512)
     target.generation_config.eos_token_id = None
     ids, mask = prompts(6, seed=3, min_len=3, max_len=12, vocab=512)
