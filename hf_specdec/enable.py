@@ -8,6 +8,10 @@ generation untouched, with one warning saying why. Calls without any of them go 
 `generate` untouched. Transformers does not hand
 `streamer`, `tokenizer` or `stop_strings` to a `custom_generate` callable, so the wrapper
 translates them (streamer -> spec_streamer, stop strings -> a StopStringCriteria).
+
+Continuous batching speculates too (`continuous_batching.py`): `enable` also wraps the instance's
+`init_continuous_batching` and `generate_batch`, and a `generate(cache_implementation="paged")`
+call goes to Transformers' paged path with its speculation arguments handed to our manager.
 """
 from __future__ import annotations
 
@@ -21,13 +25,13 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from . import assisted, kept, transformers_loop
+from . import assisted, continuous_batching, kept, transformers_loop
 from .generate import check_decoder_only
 from .generate import generate as spec_generate
 
 logger = logging.getLogger(__name__)
 _SPEC_KWARGS = ("assistant_models", "spec_policy", "spec_generator", "draft_offload")
-_ATTR = "_hf_specdec_original_generate"
+_ATTR = "_hf_specdec_originals"      # name -> the instance attribute enable() replaced (None: none)
 _LOOP_ATTR = "_hf_specdec_loop"       # which loop enable() routed generate() to
 LOOPS = ("hf_specdec", "transformers")
 
@@ -47,26 +51,34 @@ def enable(model, loop: str = "hf_specdec"):
             raise ValueError(f"{type(model).__name__} is enabled with another loop; disable(model) first")
         return model
     setattr(model, _LOOP_ATTR, loop)
-    # an instance-level generate (e.g. from a custom_generate repo) is kept and restored by disable
-    previous = model.__dict__.get("generate")
-    setattr(model, _ATTR, previous)
-    # the wrapper holds the model weakly (and the class's function, not a bound method): no
-    # reference cycle, so a model dropped while enabled is freed without gc.collect()
-    ref, function = weakref.ref(model), type(model).generate
+    # instance-level methods (e.g. a custom_generate repo's generate) are kept and restored by disable
+    setattr(model, _ATTR, {name: model.__dict__.get(name) for name in _WRAPPED if hasattr(model, name)})
+    for name, wrapper in _WRAPPED.items():
+        if name in getattr(model, _ATTR):
+            _wrap(model, name, wrapper)
+    return model
+
+
+def _wrap(model, name: str, wrapper) -> None:
+    """model.<name>(*args, **kwargs) becomes wrapper(model, original, args, kwargs). The wrapper
+    holds the model weakly (and the class's function, not a bound method): no reference cycle, so
+    a model dropped while enabled is freed without gc.collect()."""
+    ref, function, previous = weakref.ref(model), getattr(type(model), name), getattr(model, _ATTR)[name]
 
     @functools.wraps(function)
-    def generate(*args, **kwargs):
+    def method(*args, **kwargs):
         target = ref()
         original = previous if previous is not None else types.MethodType(function, target)
-        return call(target, original, args, kwargs)
+        return wrapper(target, original, args, kwargs)
 
-    model.generate = generate
-    return model
+    setattr(model, name, method)
 
 
 def call(model, original, args: tuple, kwargs: dict):
     """One `generate()` call: speculative through our loop when it names drafters (ours or
     Transformers' arguments), else `original(*args, **kwargs)` untouched."""
+    if _paged(model, kwargs):       # Transformers' continuous batching: its drafts come from our manager
+        return generate_batch(model, original, args, kwargs)
     after = None
     batched = getattr(model, _LOOP_ATTR, "hf_specdec") == "hf_specdec"
     if assisted.wants_assisted(model, kwargs):      # Transformers' own arguments, batched
@@ -113,19 +125,47 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
     return kwargs
 
 
+def generate_batch(model, original, args: tuple, kwargs: dict):
+    """`generate_batch` (or a paged `generate`) with Transformers' speculation arguments:
+    `assistant_model=`, `prompt_lookup_num_tokens=` (also a generation config field),
+    `max_matching_ngram_size=`. They go to our continuous batching manager; the call is
+    Transformers' own."""
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+    speculation = continuous_batching.speculation_from(
+        config, *(kwargs.pop(name, None) for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size",
+                                                      "assistant_model")))
+    if speculation is None:       # (a paged generate() already named its speculation)
+        return original(*args, **kwargs)
+    with continuous_batching.speculating(speculation):
+        return original(*args, **kwargs)
+
+
+def init_continuous_batching(model, original, args: tuple, kwargs: dict):
+    return continuous_batching.init_continuous_batching(model, original, *args, **kwargs)
+
+
+def _paged(model, kwargs: dict) -> bool:
+    config = kwargs.get("generation_config") or model.generation_config
+    return kwargs.get("cache_implementation", config.cache_implementation) == "paged"
+
+
+_WRAPPED = {"generate": call, "generate_batch": generate_batch, "init_continuous_batching": init_continuous_batching}
+
+
 def disable(model):
-    """Undo `enable`: `model.generate` is the original again, and what its calls kept (static
-    caches of every model they ran, learned "auto" policies: kept.py) is freed. Returns `model`."""
+    """Undo `enable`: `model.generate` (and the continuous batching entry points) are the originals
+    again, and what its calls kept (static caches of every model they ran, learned "auto" policies:
+    kept.py) is freed. Returns `model`."""
     kept.forget(model)
     if not hasattr(model, _ATTR):
         return model
-    previous = getattr(model, _ATTR)
+    for name, previous in getattr(model, _ATTR).items():
+        if previous is None:
+            delattr(model, name)
+        else:
+            setattr(model, name, previous)
     delattr(model, _ATTR)
     delattr(model, _LOOP_ATTR)
-    if previous is None:
-        del model.generate
-    else:
-        model.generate = previous
     return model
 
 

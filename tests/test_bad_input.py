@@ -213,7 +213,7 @@ def test_bad_drafters_and_enable_arguments(models, make, exc, match):
     draft = models[1]
     with pytest.raises(exc, match=match):
         make(draft)
-    assert not hasattr(draft, "_hf_specdec_original_generate")
+    assert not hasattr(draft, "_hf_specdec_originals")
 
 
 def _word_tokenizer(directory, words: list[str]):

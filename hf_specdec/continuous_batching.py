@@ -1,0 +1,327 @@
+"""Speculation inside Transformers' continuous batching: `generate_batch`,
+`generate(cache_implementation="paged")` and `init_continuous_batching` (what `transformers serve`
+runs), after `hf_specdec.enable(model)`.
+
+A step of Transformers' loop (`ContinuousBatchProcessor`): the scheduler packs every scheduled
+request's query (a decoding request's pending token, a prefill chunk) into one row, the model runs
+once over the paged cache, and Transformers' processors and sampler pick a token at each request's
+last position. `SpecBatchProcessor` adds the step protocol around it:
+  plan     each decoding request's draft length: the longest `Speculation.max_len`, cut to the
+           request's room and to the batch's logit rows (`_draft_budget`);
+  draft    the drafter proposes from the request's tokens; the pending token + drafts become the
+           request's query, scheduled as Transformers schedules any query (a token budget cuts the
+           drafts, as it cuts a prefill chunk);
+  verify   the same packed forward, with logits at each of a speculating request's positions
+           (`logits_indices` widened; the processors' per-request arguments repeated per row);
+  commit   a draft is accepted while it equals the token Transformers' own sampler picked at its
+           position; the request appends the accepted drafts + 1 token through Transformers'
+           `update_and_check_completion` (EOS and max_new_tokens as in a plain step) and steps its
+           position back over the rejected drafts, whose cache slots the next forward overwrites.
+Drafts are point masses, so accepting a draft d when the target's own sample equals it is exact
+rejection sampling: accepted with probability p(d), and a rejected position's sample is p without
+d, renormalised (the residual). Greedy, it is argmax equality. Either way the output is the
+target's.
+
+The paged cache's bookkeeping stays right: blocks are allocated by position, so a request that
+stepped back reuses its slots; blocks are hashed for prefix sharing only once they hold accepted
+tokens (`count_new_complete_blocks` over the kept tokens); a step where no request drafts is
+Transformers' own step, untouched.
+
+Not with speculation (a clear error before any work): asynchronous batching (it carries one token
+ahead), CUDA graphs and compiled paths (padded shapes), sliding-window layers (their ring cache
+would overwrite tokens still in the window with rejected drafts), and draft models (not yet).
+Tested on Transformers 5.24.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
+                                                                        ContinuousBatchProcessor)
+from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
+
+from .drafters.ngram import PromptLookupDrafter
+
+__all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "init_continuous_batching",
+           "speculating"]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a continuous batching manager speculates with: a lookup drafter and the most drafts a
+    request proposes in one step."""
+    drafter: PromptLookupDrafter      # or any object with its continuation(tokens [length], k) -> [<= k]
+    max_len: int
+
+
+_PENDING: contextvars.ContextVar[Speculation | None] = contextvars.ContextVar("hf_specdec_cb", default=None)
+
+
+@contextlib.contextmanager
+def speculating(speculation: Speculation | None):
+    """Within it, `init_continuous_batching` of an enabled model (as `generate_batch` calls it) speculates
+    with `speculation` unless its own arguments say otherwise. Per thread / context."""
+    token = _PENDING.set(speculation)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+
+
+def speculation_from(generation_config, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
+                     assistant_model=None) -> Speculation | None:
+    """The speculation Transformers' own arguments ask for (arguments first, then the generation
+    config's fields), or None."""
+    if assistant_model is not None:
+        raise NotImplementedError("assistant_model= (a draft model) is not supported inside continuous batching "
+                                  "yet; use prompt_lookup_num_tokens=, or generate() without cache_implementation="
+                                  "'paged'")
+    lookup = prompt_lookup_num_tokens
+    if lookup is None:
+        lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    if lookup is None:
+        return None
+    ngram = max_matching_ngram_size or getattr(generation_config, "max_matching_ngram_size", None) or 2
+    for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return Speculation(drafter=PromptLookupDrafter(max_ngram=ngram), max_len=lookup)
+
+
+@dataclass
+class SpecStep:
+    """One step of a speculating manager (`SpecBatchProcessor.steps`)."""
+    requests: int       # requests in the forward (decoding and prefilling)
+    drafted: int        # drafts verified
+    accepted: int
+
+
+@dataclass
+class LogitRows:
+    """Where a scheduled request's logit rows are in the step's output: `count` rows from `first`
+    (a speculating request: its pending token and each draft; 0: a prefill chunk)."""
+    request: FutureRequestState
+    first: int
+    count: int
+
+
+class SpecBatchProcessor(ContinuousBatchProcessor):
+    """Transformers' batch processor with a speculative step. Made from Transformers' own processor
+    by `SpecBatchingManager` (`attach`), so every other behaviour is Transformers'."""
+
+    speculation: Speculation
+
+    def attach(self, speculation: Speculation) -> None:
+        self.speculation = speculation
+        self._drafts: dict[str, list[int]] = {}       # request id -> this step's drafts
+        self._rows: list[LogitRows] | None = None     # None: a plain step (Transformers' own)
+        self._num_logits = 0
+        self.steps: list[SpecStep] = []
+
+    def reset(self) -> None:
+        self._drafts, self._rows = {}, None
+        super().reset()
+
+    # plan + draft
+    def prepare_next_batch(self) -> bool:
+        self._propose()
+        if not super().prepare_next_batch():
+            return False
+        self._rows = self._widen_logits()
+        return True
+
+    def _draft_budget(self) -> int:
+        """Draft tokens the step may add: Transformers reserves memory for `max_requests_per_batch`
+        logit rows, one per request; every draft takes one more row."""
+        scheduler, limit = self.scheduler, self.cb_config.max_requests_per_batch
+        return limit - min(limit, len(scheduler.active_requests) + len(scheduler.waiting_requests))
+
+    def _propose(self) -> None:
+        """Each decoding request's query: its pending token + its drafts."""
+        self._drafts, budget = {}, self._draft_budget()
+        for state in self.scheduler.active_requests.values():
+            if state.status != RequestStatus.DECODING or not state.generated_tokens:
+                continue
+            room = math.inf if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
+            k = int(min(self.speculation.max_len, room - 1, budget))
+            drafts = []
+            if k > 0:
+                tokens = torch.tensor(state.initial_tokens + state.generated_tokens)
+                drafts = self.speculation.drafter.continuation(tokens, k).tolist()
+            state.tokens_to_process = [state.generated_tokens[-1], *drafts]
+            if drafts:
+                self._drafts[state.request_id] = drafts
+                budget -= len(drafts)
+
+    def _widen_logits(self) -> list[LogitRows] | None:
+        """After Transformers prepared the batch: a logit row at each position of a speculating
+        request, the processors' arguments repeated per row. None if no scheduled request drafts."""
+        ios = self.inputs_and_outputs
+        scheduled = ios.requests_in_batch
+        if not any(f.state.request_id in self._drafts for f in scheduled):
+            return None
+        rows, logits, end = [], [], 0
+        for future in scheduled:
+            end += future.query_length
+            if future.state.request_id in self._drafts:
+                # a token budget that cut the drafts left them as "remaining prefill": drop them
+                future.state.remaining_prefill_tokens = []
+                future.has_new_token = True
+                count = future.query_length
+            else:
+                count = int(future.has_new_token)
+            rows.append(LogitRows(request=future, first=len(logits), count=count))
+            logits.extend(range(end - count, end))
+        ios._bulk_input_tensor[3, :len(logits)] = torch.tensor(logits, dtype=torch.int32)
+        repeated = [row.request for row in rows for _ in range(row.count)]
+        self.logit_processor.prepare_tensor_args(repeated, ios._bulk_input_tensor[ios.static_inputs:])
+        self._num_logits = len(logits)
+        return rows
+
+    # verify
+    @torch.no_grad()
+    def _generation_step(self, model) -> None:
+        if self._rows is None:
+            return super()._generation_step(model)
+        ios, n = self.inputs_and_outputs, self._num_logits
+        batch_data = ios.get_model_kwargs(use_padding=False)
+        batch_data["logits_indices"] = ios._bulk_input_tensor[3, :n]
+        batch_data["logits_processor_args"] = ios._bulk_input_tensor[ios.static_inputs:, :n]
+        self.model_runner.compute_batch(model, batch_data)
+        ios.retrieve_device_outputs()
+
+    # commit
+    def update_batch(self) -> None:
+        if self._rows is None:
+            self.steps.append(SpecStep(requests=len(self.inputs_and_outputs.requests_in_batch), drafted=0, accepted=0))
+            return super().update_batch()
+        rows, self._rows = self._rows, None
+        step = SpecStep(requests=len(rows), drafted=0, accepted=0)
+        self.steps.append(step)
+        ios, n = self.inputs_and_outputs, self._num_logits
+        tokens = ios.output_ids[0, :n].tolist()                       # the step's one host read
+        logprobs = ios.output_ids[1, :n].view(torch.float32).tolist() if self.return_logprobs else None
+        outputs = []
+        for row in rows:
+            state = row.request.state
+            if not row.count:                                          # a prefill chunk
+                if state.status == RequestStatus.PREFILLING:
+                    self.cache.mark_complete_blocks(state, row.request.complete_blocks)
+                continue
+            if state.generated_len() == 0:                             # its prefill ended
+                state.status = RequestStatus.DECODING
+            chosen = tokens[row.first:row.first + row.count]
+            drafts = self._drafts.get(state.request_id, [])[:row.count - 1]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+                accepted += 1
+            step.drafted, step.accepted = step.drafted + len(drafts), step.accepted + accepted
+            complete = self._step_back(row.request, len(drafts) - accepted)
+            for j in range(accepted + 1):
+                finished = state.update_and_check_completion(chosen[j], logprobs[row.first + j] if logprobs else None)
+                if finished:
+                    break
+            self.cache.mark_complete_blocks(state, complete)
+            if finished:
+                self.scheduler.finish_request(state.request_id)
+                self.scheduler.block_new_requests = False
+            if state.streaming or state.status == RequestStatus.FINISHED:
+                outputs.append(state.to_generation_output())
+        if outputs:
+            self.output_router.deliver_batch(outputs)
+        if self.scheduler._requests_to_fork:
+            # Transformers' update over no requests runs only its fork step (num_return_sequences > 1)
+            ios.requests_in_batch = []
+            super().update_batch()
+
+    def _step_back(self, future: FutureRequestState, rejected: int) -> dict[str, int]:
+        """Forget a request's `rejected` last cache slots (the next forward writes over them); returns
+        the blocks its kept tokens completed, for prefix sharing."""
+        if not rejected:
+            return future.complete_blocks
+        state = future.state
+        kept = future.query_length - rejected
+        state.position_offset -= future.query_length
+        complete = self.cache.count_new_complete_blocks(state, kept)
+        state.position_offset += kept
+        return complete
+
+
+class SpecBatchingManager(ContinuousBatchingManager):
+    """Transformers' continuous batching manager whose batch processor speculates."""
+
+    def __init__(self, model, generation_config, continuous_batching_config: ContinuousBatchingConfig,
+                 workload_hints=None, *, speculation: Speculation):
+        check_model(model)
+        self.speculation = speculation
+        config = _for_speculation(continuous_batching_config, workload_hints, speculation)
+        super().__init__(model, generation_config, config, workload_hints)
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        processor = super()._create_batch_processor()
+        if not isinstance(processor, SpecBatchProcessor):
+            # Transformers builds its own processor class; ours only adds the speculative step
+            processor.__class__ = SpecBatchProcessor
+            processor.attach(self.speculation)
+        return processor
+
+
+def check_model(model) -> None:
+    """Models whose continuous batching cannot speculate: sliding-window layers (a ring cache)."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in layer_types or (getattr(config, "sliding_window", None) and not layer_types
+                                              and getattr(config, "use_sliding_window", True)):
+        raise ValueError(f"{type(model).__name__} has sliding-window attention layers: continuous batching keeps "
+                         "them in a ring, where rejected drafts would overwrite tokens still in the window; "
+                         "speculate with generate() instead")
+
+
+def _for_speculation(cb_config: ContinuousBatchingConfig | None, workload_hints, speculation: Speculation):
+    """A copy of the user's config that speculation can run: synchronous, without CUDA graphs or
+    compiled (padded) paths, with room for a logit row per draft. Raises if the user asked for
+    what speculation cannot run."""
+    config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    asked = {"use_async_batching": bool(config.use_async_batching), "use_cuda_graph": bool(config.use_cuda_graph)
+             and any(config.use_cuda_graph if isinstance(config.use_cuda_graph, tuple) else (True,)),
+             "varlen_compile_config": config.varlen_compile_config is not None,
+             "decode_compile_config": config.decode_compile_config is not None,
+             "default_compile_level": config.default_compile_level > 0}
+    refused = [name for name, on in asked.items() if on]
+    if refused:
+        raise ValueError(f"continuous_batching_config sets {', '.join(refused)}: speculation in continuous batching "
+                         "runs synchronous batches without CUDA graphs or compilation; unset them")
+    config.use_async_batching, config.use_cuda_graph = False, (False, False)
+    if config.max_requests_per_batch is None and workload_hints is not None:
+        # Transformers sizes its logits reserve to one row per request; a speculating one needs max_len + 1
+        config.max_requests_per_batch = min(1024, workload_hints.num_requests * (speculation.max_len + 1))
+    return config
+
+
+def init_continuous_batching(model, original, generation_config=None, continuous_batching_config=None,
+                             workload_hints=None, *, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
+                             assistant_model=None):
+    """`model.init_continuous_batching` of an enabled model: Transformers' manager, or ours when the
+    arguments, the generation config or `speculating` ask for speculation."""
+    config = generation_config if generation_config is not None else model.generation_config
+    speculation = speculation_from(config, prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model) \
+        or _PENDING.get()
+    if speculation is None:
+        return original(generation_config, continuous_batching_config, workload_hints)
+    cached = getattr(model, "_cached_continuous_batching_manager", None)
+    if isinstance(cached, SpecBatchingManager):          # Transformers reuses a persistent manager, as is
+        return original(generation_config, continuous_batching_config, workload_hints)
+    if cached is not None:
+        raise ValueError("a persistent continuous batching manager without speculation exists; call "
+                         "model.destroy_cached_continuous_batching_manager() first")
+    if config is None:
+        raise ValueError("A GenerationConfig must be provided or set in the model.")
+    if config.eos_token_id is None:     # as Transformers' own init_continuous_batching
+        config.eos_token_id = -1
+    return SpecBatchingManager(model, config, continuous_batching_config, workload_hints, speculation=speculation)

@@ -1,0 +1,181 @@
+"""Speculation inside Transformers' continuous batching: per request, the output of plain
+`generate_batch` (Transformers' own), whatever the drafts, the blocks, the token budget, EOS,
+cancellation and prefix sharing; and no block leaked."""
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import hf_specdec
+from hf_specdec.continuous_batching import SpecBatchingManager, Speculation
+from hf_specdec.drafters.ngram import PromptLookupDrafter
+from hf_specdec.testing import VOCAB, build
+
+# distinct prompts, some repetitive (prompt lookup finds matches), of different lengths (prefill chunks)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3, 4, 3], [7, 7, 7, 7],
+           [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 20, 21, 22], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama", layers=2)
+
+
+def generation(max_new_tokens=24, eos_token_id=-1, **kwargs):
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0,
+                            **kwargs)
+
+
+def batching(page_size=4, max_batch_tokens=64, **kwargs):
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=128, max_batch_tokens=max_batch_tokens, **kwargs)
+
+
+def plain(model, prompts, generation_config, cb_config):
+    """Transformers' own generate_batch (the class's, even on an enabled model): request id -> tokens."""
+    out = type(model).generate_batch(model, prompts, generation_config, cb_config)
+    return {rid: o.generated_tokens for rid, o in out.items()}
+
+
+class Oracle:
+    """Drafts the plain continuation with one draft made wrong: the j-th, j cycling over 0..k (k:
+    none), so every acceptance count occurs, the first draft rejected and all accepted included."""
+
+    def __init__(self, prompts, outputs: dict):
+        self.known = [(p, outputs[f"req_{i}"]) for i, p in enumerate(prompts)]
+        self.calls = 0
+
+    def continuation(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        seq = tokens.tolist()
+        for prompt, out in self.known:
+            done = len(seq) - len(prompt)
+            if seq[:len(prompt)] == prompt and seq[len(prompt):] == out[:done]:
+                drafts = out[done:done + k]
+                wrong, self.calls = self.calls % (k + 1), self.calls + 1
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1) % VOCAB
+                return torch.tensor(drafts, dtype=torch.long)
+        raise AssertionError(f"a request's tokens left the plain output: {seq}")
+
+
+def run(model, prompts, generation_config, cb_config, speculation, cancel=None):
+    """Our manager over `prompts` (the manager API, as `transformers serve` uses it): request id ->
+    tokens, and the processor's steps. Checks that every block went back to the pool."""
+    manager = SpecBatchingManager(model, generation_config, cb_config, speculation=speculation)
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=prompts, max_new_tokens=generation_config.max_new_tokens)
+        if cancel is not None:
+            manager.cancel_request(ids[cancel])
+        results = {}
+        while len(results) < len(ids) - (cancel is not None):
+            result = manager.get_result(timeout=60)
+            assert result is not None, "the generation loop stopped"
+            assert result.error is None, result.error
+            if result.is_finished():
+                results[result.request_id] = result.generated_tokens
+        processor = manager.batch_processor
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert_no_block_leaked(processor.cache)
+    return results, processor.steps
+
+
+def assert_no_block_leaked(cache):
+    assert all(not allocator.block_table for allocator in cache.cache_allocators.values())
+    cache.evict_cached_blocks()          # prefix sharing keeps finished requests' blocks until evicted
+    cache.pool.try_to_free_sectors()
+    assert cache.pool.num_free_sectors == cache.pool.num_sectors
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("max_batch_tokens", [64, 8])
+def test_an_oracle_with_errors_gives_plain_output_at_every_acceptance_count(model, page_size, max_batch_tokens):
+    config, cb = generation(), batching(page_size=page_size, max_batch_tokens=max_batch_tokens)
+    expected = plain(model, PROMPTS, config, cb)
+    oracle = Oracle(PROMPTS, expected)
+    got, steps = run(model, PROMPTS, config, cb, Speculation(drafter=oracle, max_len=4))
+    assert got == expected
+    assert sum(s.accepted for s in steps) > 0 and sum(s.drafted - s.accepted for s in steps) > 0
+    assert len(steps) < sum(len(v) for v in expected.values())    # fewer forwards than tokens
+    if max_batch_tokens == 8:      # the budget cut drafts and split prefills: both beside verification
+        assert any(s.requests > 1 and s.drafted for s in steps)
+
+
+def test_prompt_lookup_through_generate_batch_and_paged_generate(model):
+    config, cb = generation(), batching()
+    expected = plain(model, PROMPTS, config, cb)
+    hf_specdec.enable(model)
+    try:
+        out = model.generate_batch(PROMPTS, config, cb, prompt_lookup_num_tokens=3)
+        assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+        same_length = [p for p in PROMPTS if len(p) == 7] + [[30, 31, 32, 30, 31, 32, 30]]
+        ids = torch.tensor(same_length)
+        want = model.generate(ids, generation_config=config, cache_implementation="paged",
+                              continuous_batching_config=batching())
+        with_lookup = model.generate(ids, generation_config=config, cache_implementation="paged",
+                                     continuous_batching_config=batching(), prompt_lookup_num_tokens=3)
+        assert torch.equal(with_lookup, want)
+    finally:
+        hf_specdec.disable(model)
+    assert "generate_batch" not in model.__dict__ and "init_continuous_batching" not in model.__dict__
+
+
+def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
+    free = plain(model, PROMPTS, generation(), batching())
+    eos = free["req_2"][5]                       # a token some requests emit mid-way
+    for config in (generation(eos_token_id=eos), generation(max_new_tokens=7)):
+        expected = plain(model, PROMPTS, config, batching())
+        got, steps = run(model, PROMPTS, config, batching(),
+                         Speculation(drafter=Oracle(PROMPTS, free), max_len=6))
+        assert got == expected
+    assert any(len(v) < 24 for v in expected.values()) or eos not in sum(expected.values(), [])
+
+
+def test_cancelled_request_leaves_the_others_exact_and_frees_its_blocks(model):
+    config, cb = generation(max_new_tokens=40), batching()
+    expected = plain(model, PROMPTS, config, cb)
+    got, _ = run(model, PROMPTS, config, cb, Speculation(drafter=PromptLookupDrafter(), max_len=3), cancel=2)
+    assert got == {rid: tokens for rid, tokens in expected.items() if rid != "req_2"}
+
+
+def test_prefix_sharing_over_a_second_round_built_from_the_first(model):
+    config, cb = generation(max_new_tokens=16), batching(page_size=4)
+    first = plain(model, PROMPTS, config, cb)
+    second_prompts = [p + first[f"req_{i}"][:9] for i, p in enumerate(PROMPTS)]
+    expected = plain(model, second_prompts, config, cb)
+    manager = SpecBatchingManager(model, config, cb, speculation=Speculation(drafter=PromptLookupDrafter(), max_len=3))
+    manager.start()
+    try:
+        rounds = []
+        for prompts in (PROMPTS, second_prompts):
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=16)
+            results = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=60)
+                assert result is not None and result.error is None
+                if result.is_finished():
+                    results[result.request_id] = result.generated_tokens
+            rounds.append([results[i] for i in ids])
+        cache = manager.batch_processor.cache
+        shared = sum(len(a.ledger.block_to_hash) for a in cache.cache_allocators.values())
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert rounds[0] == [first[f"req_{i}"] for i in range(len(PROMPTS))]
+    assert rounds[1] == [expected[f"req_{i}"] for i in range(len(PROMPTS))]
+    assert shared > 0
+    assert_no_block_leaked(cache)
+
+
+def test_what_speculation_cannot_run_is_refused_before_any_work(model):
+    speculation = Speculation(drafter=PromptLookupDrafter(), max_len=3)
+    with pytest.raises(ValueError, match="use_async_batching"):
+        SpecBatchingManager(model, generation(), batching(use_async_batching=True), speculation=speculation)
+    with pytest.raises(ValueError, match="sliding-window"):
+        SpecBatchingManager(build("mistral"), generation(), batching(), speculation=speculation)
+    hf_specdec.enable(model)
+    try:
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
+            model.generate_batch(PROMPTS, generation(), batching(), prompt_lookup_num_tokens=0)
+        with pytest.raises(NotImplementedError, match="assistant_model"):
+            model.generate_batch(PROMPTS, generation(), batching(), assistant_model=build("llama", layers=1))
+    finally:
+        hf_specdec.disable(model)
