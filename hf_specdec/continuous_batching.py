@@ -7,7 +7,7 @@ request's query (a decoding request's pending token, a prefill chunk) into one r
 once over the paged cache, and Transformers' processors and sampler pick a token at each request's
 last position. `SpecBatchProcessor` adds the step protocol around it:
   plan     each decoding request's draft length: the longest `Speculation.max_len`, cut to the
-           request's room and to the batch's logit rows (`_draft_budget`);
+           request's room and to the batch's logit rows (`_propose`);
   draft    the drafter proposes from the request's tokens; the pending token + drafts become the
            request's query, scheduled as Transformers schedules any query (a token budget cuts the
            drafts, as it cuts a prefill chunk);
@@ -136,18 +136,16 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self._rows = self._widen_logits()
         return True
 
-    def _draft_budget(self) -> int:
-        """Draft tokens the step may add: Transformers reserves memory for `max_requests_per_batch`
-        logit rows, one per request; every draft takes one more row."""
-        scheduler, limit = self.scheduler, self.cb_config.max_requests_per_batch
-        return limit - min(limit, len(scheduler.active_requests) + len(scheduler.waiting_requests))
-
     def _propose(self) -> None:
-        """Each decoding request's query: its pending token + its drafts."""
-        self._drafts, budget = {}, self._draft_budget()
-        for state in self.scheduler.active_requests.values():
-            if state.status != RequestStatus.DECODING or not state.generated_tokens:
-                continue
+        """Each decoding request's query: its pending token + its drafts. Transformers reserves
+        memory for `max_requests_per_batch` logit rows, one per request; every draft takes a row, so
+        the drafts come out of the decoding requests' spare rows and the step schedules that many
+        fewer requests."""
+        limit = self.cb_config.max_requests_per_batch
+        decoding = [state for state in self.scheduler.active_requests.values()
+                    if state.status == RequestStatus.DECODING and state.generated_tokens]
+        self._drafts, budget = {}, limit - len(decoding)
+        for state in decoding:
             room = math.inf if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
             k = int(min(self.speculation.max_len, room - 1, budget))
             drafts = []
@@ -158,6 +156,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             if drafts:
                 self._drafts[state.request_id] = drafts
                 budget -= len(drafts)
+        self.scheduler.max_requests_per_batch = limit - sum(map(len, self._drafts.values()))
 
     def _widen_logits(self) -> list[LogitRows] | None:
         """After Transformers prepared the batch: a logit row at each position of a speculating
@@ -218,9 +217,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 state.status = RequestStatus.DECODING
             chosen = tokens[row.first:row.first + row.count]
             drafts = self._drafts.get(state.request_id, [])[:row.count - 1]
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
-                accepted += 1
+            accepted = _accepted(drafts, chosen)
             step.drafted, step.accepted = step.drafted + len(drafts), step.accepted + accepted
             complete = self._step_back(row.request, len(drafts) - accepted)
             for j in range(accepted + 1):
@@ -251,6 +248,14 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         complete = self.cache.count_new_complete_blocks(state, kept)
         state.position_offset += kept
         return complete
+
+
+def _accepted(drafts: list[int], chosen: list[int]) -> int:
+    """How many leading drafts equal the target's own choice at their position."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted
 
 
 class SpecBatchingManager(ContinuousBatchingManager):

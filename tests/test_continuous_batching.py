@@ -21,8 +21,8 @@ def model():
 
 
 def generation(max_new_tokens=24, eos_token_id=-1, **kwargs):
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0,
-                            **kwargs)
+    return GenerationConfig(**{"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": eos_token_id,
+                               "pad_token_id": 0, **kwargs})
 
 
 def batching(page_size=4, max_batch_tokens=64, **kwargs):
@@ -179,3 +179,47 @@ def test_what_speculation_cannot_run_is_refused_before_any_work(model):
             model.generate_batch(PROMPTS, generation(), batching(), assistant_model=build("llama", layers=1))
     finally:
         hf_specdec.disable(model)
+
+
+SAMPLE_VOCAB, SAMPLE_PROMPT, SAMPLES = 6, [3, 5, 4, 3], 6000
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5)     # what continuous batching's processors run
+
+
+class Greedy:
+    """Drafts the target's most likely next tokens (a point mass: any deterministic drafter is)."""
+
+    def __init__(self, joint: torch.Tensor):
+        self.joint = joint                                       # p(t1, t2, t3) [V, V, V]
+
+    def continuation(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        new = tokens.tolist()[len(SAMPLE_PROMPT):]
+        marginal = self.joint.sum(tuple(range(len(new) + 1, 3))) if len(new) < 2 else self.joint
+        return marginal[tuple(new)].argmax().reshape(1)[:k]
+
+
+def sampled_joint(model, speculation, seed):
+    """Frequencies of the first three new tokens [V, V, V] over SAMPLES requests of one prompt."""
+    config = generation(max_new_tokens=3, **SAMPLING)
+    results, steps = run(model, [SAMPLE_PROMPT] * SAMPLES, config,
+                         batching(max_batch_tokens=512, seed=seed), speculation)
+    counts = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, SAMPLE_VOCAB)
+    for tokens in results.values():
+        counts[tuple(tokens)] += 1
+    return counts / SAMPLES, steps
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypatch, broken):
+    from test_sampling import exact_distribution
+    target = build("llama", layers=2, seed=0, vocab=SAMPLE_VOCAB, hidden=32, init=0.6)
+    exact = exact_distribution(target, torch.tensor([SAMPLE_PROMPT]), 3, SAMPLING)
+    # the TV distance of SAMPLES draws from `exact` itself, the test's null
+    null = [0.5 * (torch.bincount(torch.multinomial(exact.flatten(), SAMPLES, replacement=True),
+                                  minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
+    if broken:      # accept every draft: a sampler without the acceptance test
+        monkeypatch.setattr("hf_specdec.continuous_batching._accepted", lambda drafts, chosen: len(drafts))
+    joint, steps = sampled_joint(target, Speculation(drafter=Greedy(exact), max_len=2), seed=1)
+    tv = 0.5 * (joint - exact).abs().sum()
+    accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
+    assert drafted > SAMPLES / 2 and (broken or 0.2 * drafted < accepted < drafted)    # accepted and rejected
+    assert (tv > 2 * max(null)) == broken, f"TV {tv:.4f}, null {max(null):.4f}"
