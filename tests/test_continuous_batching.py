@@ -223,3 +223,30 @@ def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypat
     accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
     assert drafted > SAMPLES / 2 and (broken or 0.2 * drafted < accepted < drafted)    # accepted and rejected
     assert (tv > 2 * max(null)) == broken, f"TV {tv:.4f}, null {max(null):.4f}"
+
+
+def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
+    """eval/bench_continuous_batching.py's "plain" runs Transformers' manager and processor, none of
+    ours, even on an enabled model; its lookup method runs ours, with the same outputs."""
+    import sys
+    from pathlib import Path
+    from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
+                                                                            ContinuousBatchProcessor)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
+    import bench_continuous_batching as bench
+    from methods import Method
+    managers = []
+    original = ContinuousBatchingManager.start
+    monkeypatch.setattr(ContinuousBatchingManager, "start", lambda self: (managers.append(self), original(self))[1])
+    hf_specdec.enable(model)
+    try:
+        runs = [bench.serve(model, method, PROMPTS, 2, generation(), batching())
+                for method in (Method("plain"), Method("lookup:3", k=3))]
+    finally:
+        hf_specdec.disable(model)
+    assert type(managers[0]) is ContinuousBatchingManager and runs[0]["steps"] is None
+    assert isinstance(managers[1], SpecBatchingManager) and runs[1]["steps"]
+    assert {r: o.generated_tokens for r, o in runs[0]["results"].items()} == \
+        {r: o.generated_tokens for r, o in runs[1]["results"].items()}
+    row = bench.summary(runs[1], runs[0]["results"])
+    assert row["identical"] == len(PROMPTS) and row["drafted"] > 0

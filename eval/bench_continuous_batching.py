@@ -1,0 +1,175 @@
+"""Speculation inside Transformers' continuous batching against Transformers' own, on one request stream.
+
+    python eval/bench_continuous_batching.py --env smollm2 --concurrency 1,4,8 --requests 16 \
+        --max-new-tokens 128 --out docs/results/bench_continuous_batching/smollm2
+
+A closed loop over the first --requests HumanEval problems (raw prompts for smollm2, the chat
+prompt for qwen-coder): `concurrency` requests in flight, the next added as one finishes, through
+the manager API that `generate_batch` and `transformers serve` use. Methods, interleaved per round
+(eval/harness.interleaved), each a fresh manager with the same ContinuousBatchingConfig:
+  plain       Transformers' own manager (`type(model).init_continuous_batching`: its
+              ContinuousBatchingManager and ContinuousBatchProcessor, none of our code)
+  lookup:k    ours after enable(): init_continuous_batching(prompt_lookup_num_tokens=k)
+Per method and concurrency: tokens/s (median of rounds) and its ratio to plain per round, time to
+first token and time per output token (p50 / p99 over requests, from Transformers' per-token
+timestamps), forwards per generated token, drafts accepted, and requests identical to plain's.
+Writes <out>.json, .md and .png after each concurrency, stamped.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import hf_specdec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from envs import ENVS, humaneval_texts  # noqa: E402
+from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
+from methods import Method  # noqa: E402
+from report import figure, method_bars  # noqa: E402
+
+logger = logging.getLogger("bench_continuous_batching")
+
+
+def serve(model, method: Method, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
+          cb_config: ContinuousBatchingConfig) -> dict:
+    """One closed-loop run: request id -> GenerationOutput, seconds, and the speculating steps."""
+    if method.name == "plain":
+        manager = type(model).init_continuous_batching(model, config, cb_config)
+    else:
+        manager = model.init_continuous_batching(config, cb_config, prompt_lookup_num_tokens=method.k)
+    pending, results = list(enumerate(prompts)), {}
+
+    def submit():
+        i, prompt = pending.pop(0)
+        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=config.max_new_tokens, record_timestamps=True)
+    manager.start()
+    start = time.perf_counter()
+    try:
+        for _ in range(min(concurrency, len(pending))):
+            submit()
+        while len(results) < len(prompts):
+            result = manager.get_result(timeout=600)
+            if result is None or result.error is not None:
+                raise RuntimeError(f"{method.name}: {result.error if result else 'no result in 600 s'}")
+            if result.is_finished():
+                results[result.request_id] = result
+                if pending:
+                    submit()
+        seconds = time.perf_counter() - start
+        steps = getattr(manager.batch_processor, "steps", None)
+    finally:
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
+    return {"results": results, "seconds": seconds, "steps": steps}
+
+
+def percentiles(values: list[float]) -> dict:
+    values = sorted(values)
+    return {"p50": statistics.median(values), "p99": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]}
+
+
+def summary(run: dict, reference: dict) -> dict:
+    results = run["results"]
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    ttft = [r.timestamps[0] - r.created_time for r in results.values()]
+    tpot = [(r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1) for r in results.values()
+            if len(r.timestamps) > 1]
+    row = {"tokens": generated, "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
+           "identical": sum(r.generated_tokens == reference[rid].generated_tokens for rid, r in results.items()),
+           "requests": len(results)}
+    if run["steps"] is not None:
+        steps = run["steps"]
+        row.update(forwards_per_token=len(steps) / generated, drafted=sum(s.drafted for s in steps),
+                   accepted=sum(s.accepted for s in steps))
+    return row
+
+
+def markdown(payload: dict) -> str:
+    args = payload["args"]
+    lines = [f"{args['env']}: {args['requests']} HumanEval prompts, {args['max_new_tokens']} new tokens each (greedy, "
+             "EOS ends a request), a closed loop of `concurrency` requests in flight through Transformers' continuous "
+             "batching manager; plain: Transformers' own manager; lookup:k: ours, prompt lookup. x plain: median "
+             f"[min, max] of per-round ratios over {args['rounds']} rounds after a warm-up. TTFT / TPOT: p50 / p99 "
+             "over requests (seconds). Both managers: ContinuousBatchingConfig(max_batch_tokens="
+             f"{args['max_batch_tokens']}, num_blocks={args['num_blocks']}) (Transformers' CPU defaults size a 10 GB "
+             "cache and masks to match). fwd/token: forwards per generated token. identical: requests equal to plain's.",
+             ""]
+    for cell in payload["cells"]:
+        lines += [f"**concurrency {cell['concurrency']}**", "",
+                  "| method | tokens/s | x plain | TTFT p50 / p99 | TPOT p50 / p99 | fwd/token | accepted / drafted | identical |",
+                  "|---|---:|---|---|---|---:|---:|---:|"]
+        for name, row in cell["methods"].items():
+            x = row["x_plain"]
+            spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
+            fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
+            lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
+                         f"{row['ttft_s']['p50']:.2f} / {row['ttft_s']['p99']:.2f} | "
+                         f"{row['tpot_s']['p50'] * 1e3:.0f} / {row['tpot_s']['p99'] * 1e3:.0f} ms | {fwd} | {spec} | "
+                         f"{row['identical']}/{row['requests']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(payload: dict, path: Path) -> None:
+    cells = [{"batch": c["concurrency"], "methods": c["methods"]} for c in payload["cells"]]
+    with figure(path) as axes:
+        ax = axes[0][0]
+        method_bars(ax, cells, lambda row: row["x_plain"]["x"], lambda row: [row["x_plain"]["x_min"], row["x_plain"]["x_max"]],
+                    ylabel="tokens/s vs Transformers' plain continuous batching")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("requests in flight")
+
+
+def main(argv=None) -> None:
+    parser = arguments(__doc__)
+    parser.add_argument("--env", default="smollm2", choices=["smollm2", "qwen-coder", "qwen-coder-cpu"])
+    parser.add_argument("--concurrency", type=ints, default=[1, 4, 8])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--lookup", type=ints, default=[3], help="prompt_lookup_num_tokens values")
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--num-blocks", type=int, default=64, help="cache blocks of 256 tokens")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after a warm-up round")
+    parser.add_argument("--out", required=True)
+    args = parse(parser, argv)
+    env = ENVS[args.env]()
+    model, tokenizer = env.model, env.tokenizer
+    style = "raw" if args.env == "smollm2" else "chat"
+    prompts = [tokenizer(text, add_special_tokens=style == "raw").input_ids
+               for text in humaneval_texts(tokenizer, style, limit=args.requests)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
+                              eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    hf_specdec.enable(model)
+    methods = [Method("plain")] + [Method(f"lookup:{k}", k=k) for k in args.lookup]
+    results = Results(Path(args.out), vars(args), markdown, plot)
+    for concurrency in args.concurrency:
+        if results.done({"concurrency": concurrency}):
+            continue
+        runs, seconds = {}, {m.name: [] for m in methods}
+
+        def run(method):     # timed from the first request in to the last result out (not the manager's set-up)
+            cb_config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
+            runs[method.name] = serve(model, method, prompts, concurrency, config, cb_config)
+            seconds[method.name].append(runs[method.name]["seconds"])
+        interleaved(methods, run, args.rounds)
+        ratios = speed({name: values[1:] for name, values in seconds.items()}, "plain")    # round 0: a warm-up
+        rows = {}
+        for method in methods:
+            row = summary(runs[method.name], runs["plain"]["results"])
+            row["tokens_per_s"] = row["tokens"] / ratios[method.name]["seconds"]
+            row["x_plain"] = ratios[method.name]
+            rows[method.name] = row
+            logger.info("concurrency %d %s: %.1f tok/s, %.2fx plain, %d/%d identical", concurrency, method.name,
+                        row["tokens_per_s"], row["x_plain"]["x"], row["identical"], row["requests"])
+        logger.info("wrote %s", results.add({"concurrency": concurrency, "methods": rows}))
+
+
+if __name__ == "__main__":
+    main()
