@@ -29,7 +29,7 @@ Transformers' own step, untouched.
 
 Not with speculation (a clear error before any work): asynchronous batching (it carries one token
 ahead), CUDA graphs and compiled paths (padded shapes), sliding-window layers (their ring cache
-would overwrite tokens still in the window with rejected drafts), and draft models (not yet).
+would overwrite tokens still in the window with rejected drafts). Drafters: `continuous_drafters.py`.
 Tested on Transformers 5.24.
 """
 from __future__ import annotations
@@ -46,18 +46,30 @@ from transformers.generation.continuous_batching.continuous_api import (Continuo
                                                                         ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
 
+from .continuous_drafters import LookupDrafts, ModelDrafts
 from .drafters.ngram import PromptLookupDrafter
+from .generate import check_spec_args
 
 __all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "init_continuous_batching",
            "speculating"]
 
 
+# drafts a step with a draft model, until the policies decide it
+DRAFT_MODEL_LEN = 4
+
+
 @dataclass(frozen=True)
 class Speculation:
-    """What a continuous batching manager speculates with: a lookup drafter and the most drafts a
-    request proposes in one step."""
-    drafter: PromptLookupDrafter      # or any object with its continuation(tokens [length], k) -> [<= k]
+    """What a continuous batching manager speculates with: the most drafts a request proposes in
+    one step, and a draft model or a lookup (an object with `continuation(tokens [length], k) -> [<= k]`,
+    as `PromptLookupDrafter`)."""
     max_len: int
+    lookup: object = None
+    draft_model: torch.nn.Module | None = None
+
+    def drafts(self) -> LookupDrafts | ModelDrafts:
+        """A drafter for one batch processor (a draft model's holds its cache)."""
+        return ModelDrafts(self.draft_model) if self.draft_model is not None else LookupDrafts(self.lookup)
 
 
 _PENDING: contextvars.ContextVar[Speculation | None] = contextvars.ContextVar("hf_specdec_cb", default=None)
@@ -74,14 +86,15 @@ def speculating(speculation: Speculation | None):
         _PENDING.reset(token)
 
 
-def speculation_from(generation_config, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
+def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
                      assistant_model=None) -> Speculation | None:
     """The speculation Transformers' own arguments ask for (arguments first, then the generation
     config's fields), or None."""
     if assistant_model is not None:
-        raise NotImplementedError("assistant_model= (a draft model) is not supported inside continuous batching "
-                                  "yet; use prompt_lookup_num_tokens=, or generate() without cache_implementation="
-                                  "'paged'")
+        if prompt_lookup_num_tokens is not None:
+            raise ValueError("give assistant_model= or prompt_lookup_num_tokens=, not both")
+        check_spec_args(model, [assistant_model], f"fixed:{DRAFT_MODEL_LEN}")       # its vocabulary, its device
+        return Speculation(max_len=DRAFT_MODEL_LEN, draft_model=assistant_model)
     lookup = prompt_lookup_num_tokens
     if lookup is None:
         lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
@@ -91,7 +104,7 @@ def speculation_from(generation_config, prompt_lookup_num_tokens=None, max_match
     for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return Speculation(drafter=PromptLookupDrafter(max_ngram=ngram), max_len=lookup)
+    return Speculation(max_len=lookup, lookup=PromptLookupDrafter(max_ngram=ngram))
 
 
 @dataclass
@@ -118,20 +131,21 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
     speculation: Speculation
 
     def attach(self, speculation: Speculation) -> None:
-        self.speculation = speculation
+        self.speculation, self.drafter = speculation, speculation.drafts()
         self._drafts: dict[str, list[int]] = {}       # request id -> this step's drafts
         self._rows: list[LogitRows] | None = None     # None: a plain step (Transformers' own)
         self._num_logits = 0
         self.steps: list[SpecStep] = []
 
     def reset(self) -> None:
-        self._drafts, self._rows = {}, None
+        self._drafts, self._rows, self.drafter = {}, None, self.speculation.drafts()
         super().reset()
 
     # plan + draft
     def prepare_next_batch(self) -> bool:
         self._propose()
         if not super().prepare_next_batch():
+            self.drafter.accepted({})
             return False
         self._rows = self._widen_logits()
         return True
@@ -144,18 +158,16 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         limit = self.cb_config.max_requests_per_batch
         decoding = [state for state in self.scheduler.active_requests.values()
                     if state.status == RequestStatus.DECODING and state.generated_tokens]
-        self._drafts, budget = {}, limit - len(decoding)
+        budget, ks = limit - len(decoding), []
         for state in decoding:
             room = math.inf if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
-            k = int(min(self.speculation.max_len, room - 1, budget))
-            drafts = []
-            if k > 0:
-                tokens = torch.tensor(state.initial_tokens + state.generated_tokens)
-                drafts = self.speculation.drafter.continuation(tokens, k).tolist()
+            ks.append(int(max(0, min(self.speculation.max_len, room - 1, budget))))
+            budget -= ks[-1]
+        self._drafts = {}
+        for state, drafts in zip(decoding, self.drafter.propose(decoding, ks)):
             state.tokens_to_process = [state.generated_tokens[-1], *drafts]
             if drafts:
                 self._drafts[state.request_id] = drafts
-                budget -= len(drafts)
         self.scheduler.max_requests_per_batch = limit - sum(map(len, self._drafts.values()))
 
     def _widen_logits(self) -> list[LogitRows] | None:
@@ -197,11 +209,12 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
 
     # commit
     def update_batch(self) -> None:
-        if self._rows is None:
+        if self._rows is None:       # no scheduled request drafted (a draft model may have): a plain step
+            self.drafter.accepted({})
             self.steps.append(SpecStep(requests=len(self.inputs_and_outputs.requests_in_batch), drafted=0, accepted=0))
             return super().update_batch()
         rows, self._rows = self._rows, None
-        step = SpecStep(requests=len(rows), drafted=0, accepted=0)
+        step, kept = SpecStep(requests=len(rows), drafted=0, accepted=0), {}
         self.steps.append(step)
         ios, n = self.inputs_and_outputs, self._num_logits
         tokens = ios.output_ids[0, :n].tolist()                       # the step's one host read
@@ -219,6 +232,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             drafts = self._drafts.get(state.request_id, [])[:row.count - 1]
             accepted = _accepted(drafts, chosen)
             step.drafted, step.accepted = step.drafted + len(drafts), step.accepted + accepted
+            kept[state.request_id] = accepted
             complete = self._step_back(row.request, len(drafts) - accepted)
             for j in range(accepted + 1):
                 finished = state.update_and_check_completion(chosen[j], logprobs[row.first + j] if logprobs else None)
@@ -230,6 +244,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 self.scheduler.block_new_requests = False
             if state.streaming or state.status == RequestStatus.FINISHED:
                 outputs.append(state.to_generation_output())
+        self.drafter.accepted(kept)
         if outputs:
             self.output_router.deliver_batch(outputs)
         if self.scheduler._requests_to_fork:
@@ -315,7 +330,7 @@ def init_continuous_batching(model, original, generation_config=None, continuous
     """`model.init_continuous_batching` of an enabled model: Transformers' manager, or ours when the
     arguments, the generation config or `speculating` ask for speculation."""
     config = generation_config if generation_config is not None else model.generation_config
-    speculation = speculation_from(config, prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model) \
+    speculation = speculation_from(model, config, prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model) \
         or _PENDING.get()
     if speculation is None:
         return original(generation_config, continuous_batching_config, workload_hints)

@@ -132,7 +132,7 @@ def generate_batch(model, original, args: tuple, kwargs: dict):
     Transformers' own."""
     config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
     speculation = continuous_batching.speculation_from(
-        config, *(kwargs.pop(name, None) for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size",
+        model, config, *(kwargs.pop(name, None) for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size",
                                                       "assistant_model")))
     if speculation is None:       # (a paged generate() already named its speculation)
         return original(*args, **kwargs)

@@ -92,7 +92,7 @@ def test_an_oracle_with_errors_gives_plain_output_at_every_acceptance_count(mode
     config, cb = generation(), batching(page_size=page_size, max_batch_tokens=max_batch_tokens)
     expected = plain(model, PROMPTS, config, cb)
     oracle = Oracle(PROMPTS, expected)
-    got, steps = run(model, PROMPTS, config, cb, Speculation(drafter=oracle, max_len=4))
+    got, steps = run(model, PROMPTS, config, cb, Speculation(max_len=4, lookup=oracle))
     assert got == expected
     assert sum(s.accepted for s in steps) > 0 and sum(s.drafted - s.accepted for s in steps) > 0
     assert len(steps) < sum(len(v) for v in expected.values())    # fewer forwards than tokens
@@ -119,13 +119,37 @@ def test_prompt_lookup_through_generate_batch_and_paged_generate(model):
     assert "generate_batch" not in model.__dict__ and "init_continuous_batching" not in model.__dict__
 
 
+@pytest.mark.parametrize("max_batch_tokens", [64, 8])
+def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
+    """The draft model follows requests as they join, prefill in chunks, draft, are cut by the token
+    budget and finish: per request, plain output. A copy of the target has every draft accepted
+    (its cache follows each request exactly); a noisy copy has drafts rejected in every request."""
+    import copy
+    from hf_specdec.testing import noisy_copy
+    config, cb = generation(max_new_tokens=20), batching(max_batch_tokens=max_batch_tokens)
+    expected = plain(model, PROMPTS, config, cb)
+    got, steps = run(model, PROMPTS, config, cb, Speculation(max_len=4, draft_model=copy.deepcopy(model)))
+    assert got == expected
+    assert sum(s.accepted for s in steps) == sum(s.drafted for s in steps) > len(PROMPTS) * 10
+    draft = noisy_copy(model, 0.05)
+    got, steps = run(model, PROMPTS, config, cb, Speculation(max_len=4, draft_model=draft))
+    assert got == expected
+    assert 0 < sum(s.accepted for s in steps) < sum(s.drafted for s in steps)
+    hf_specdec.enable(model)
+    try:
+        out = model.generate_batch(PROMPTS, config, cb, assistant_model=draft)
+    finally:
+        hf_specdec.disable(model)
+    assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+
+
 def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
     free = plain(model, PROMPTS, generation(), batching())
     eos = free["req_2"][5]                       # a token some requests emit mid-way
     for config in (generation(eos_token_id=eos), generation(max_new_tokens=7)):
         expected = plain(model, PROMPTS, config, batching())
         got, steps = run(model, PROMPTS, config, batching(),
-                         Speculation(drafter=Oracle(PROMPTS, free), max_len=6))
+                         Speculation(max_len=6, lookup=Oracle(PROMPTS, free)))
         assert got == expected
     assert any(len(v) < 24 for v in expected.values()) or eos not in sum(expected.values(), [])
 
@@ -133,7 +157,7 @@ def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
 def test_cancelled_request_leaves_the_others_exact_and_frees_its_blocks(model):
     config, cb = generation(max_new_tokens=40), batching()
     expected = plain(model, PROMPTS, config, cb)
-    got, _ = run(model, PROMPTS, config, cb, Speculation(drafter=PromptLookupDrafter(), max_len=3), cancel=2)
+    got, _ = run(model, PROMPTS, config, cb, Speculation(max_len=3, lookup=PromptLookupDrafter()), cancel=2)
     assert got == {rid: tokens for rid, tokens in expected.items() if rid != "req_2"}
 
 
@@ -142,7 +166,7 @@ def test_prefix_sharing_over_a_second_round_built_from_the_first(model):
     first = plain(model, PROMPTS, config, cb)
     second_prompts = [p + first[f"req_{i}"][:9] for i, p in enumerate(PROMPTS)]
     expected = plain(model, second_prompts, config, cb)
-    manager = SpecBatchingManager(model, config, cb, speculation=Speculation(drafter=PromptLookupDrafter(), max_len=3))
+    manager = SpecBatchingManager(model, config, cb, speculation=Speculation(max_len=3, lookup=PromptLookupDrafter()))
     manager.start()
     try:
         rounds = []
@@ -166,7 +190,7 @@ def test_prefix_sharing_over_a_second_round_built_from_the_first(model):
 
 
 def test_what_speculation_cannot_run_is_refused_before_any_work(model):
-    speculation = Speculation(drafter=PromptLookupDrafter(), max_len=3)
+    speculation = Speculation(max_len=3, lookup=PromptLookupDrafter())
     with pytest.raises(ValueError, match="use_async_batching"):
         SpecBatchingManager(model, generation(), batching(use_async_batching=True), speculation=speculation)
     with pytest.raises(ValueError, match="sliding-window"):
@@ -175,8 +199,11 @@ def test_what_speculation_cannot_run_is_refused_before_any_work(model):
     try:
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
             model.generate_batch(PROMPTS, generation(), batching(), prompt_lookup_num_tokens=0)
-        with pytest.raises(NotImplementedError, match="assistant_model"):
-            model.generate_batch(PROMPTS, generation(), batching(), assistant_model=build("llama", layers=1))
+        with pytest.raises(ValueError, match="not both"):
+            model.generate_batch(PROMPTS, generation(), batching(), assistant_model=build("llama", layers=1),
+                                 prompt_lookup_num_tokens=2)
+        with pytest.raises(ValueError, match="vocab"):
+            model.generate_batch(PROMPTS, generation(), batching(), assistant_model=build("llama", vocab=VOCAB + 8))
     finally:
         hf_specdec.disable(model)
 
@@ -218,7 +245,7 @@ def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypat
                                   minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
     if broken:      # accept every draft: a sampler without the acceptance test
         monkeypatch.setattr("hf_specdec.continuous_batching._accepted", lambda drafts, chosen: len(drafts))
-    joint, steps = sampled_joint(target, Speculation(drafter=Greedy(exact), max_len=2), seed=1)
+    joint, steps = sampled_joint(target, Speculation(max_len=2, lookup=Greedy(exact)), seed=1)
     tv = 0.5 * (joint - exact).abs().sum()
     accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
     assert drafted > SAMPLES / 2 and (broken or 0.2 * drafted < accepted < drafted)    # accepted and rejected
