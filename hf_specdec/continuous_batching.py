@@ -48,28 +48,34 @@ from transformers.generation.continuous_batching.requests import FutureRequestSt
 
 from .continuous_drafters import LookupDrafts, ModelDrafts
 from .drafters.ngram import PromptLookupDrafter
-from .generate import check_spec_args
+from . import timing
+from .generate import check_spec_args, ensure_profile
+from .policies import SpecPolicy, StepContext
+from .stats import StepRecord
+from .tiers import SPEC_TIERS
 
 __all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "init_continuous_batching",
            "speculating"]
 
 
-# drafts a step with a draft model, until the policies decide it
-DRAFT_MODEL_LEN = 4
-
-
 @dataclass(frozen=True)
 class Speculation:
-    """What a continuous batching manager speculates with: the most drafts a request proposes in
-    one step, and a draft model or a lookup (an object with `continuation(tokens [length], k) -> [<= k]`,
-    as `PromptLookupDrafter`)."""
-    max_len: int
+    """What a continuous batching manager speculates with: the policy that decides each step's
+    draft length (`SpecPolicy.choose`) and learns from its record (`observe`), and a draft model or
+    a lookup (an object with `continuation(tokens [length], k) -> [<= k]`, as `PromptLookupDrafter`)."""
+    policy: SpecPolicy
     lookup: object = None
     draft_model: torch.nn.Module | None = None
 
     def drafts(self) -> LookupDrafts | ModelDrafts:
         """A drafter for one batch processor (a draft model's holds its cache)."""
         return ModelDrafts(self.draft_model) if self.draft_model is not None else LookupDrafts(self.lookup)
+
+    @property
+    def max_len(self) -> int:
+        """The policy's longest draft (sizes the logits reserve)."""
+        length = self.policy.length
+        return getattr(length, "max_len", None) or getattr(length, "k", None) or max(SPEC_TIERS)
 
 
 _PENDING: contextvars.ContextVar[Speculation | None] = contextvars.ContextVar("hf_specdec_cb", default=None)
@@ -87,24 +93,35 @@ def speculating(speculation: Speculation | None):
 
 
 def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-                     assistant_model=None) -> Speculation | None:
-    """The speculation Transformers' own arguments ask for (arguments first, then the generation
-    config's fields), or None."""
+                     assistant_model=None, spec_policy=None) -> Speculation | None:
+    """The speculation the arguments ask for (arguments first, then the generation config's
+    fields), or None: a draft model (`assistant_model=`, policy "auto" unless `spec_policy=`) or
+    prompt lookup (`prompt_lookup_num_tokens=n`: n drafts a step, as Transformers, unless `spec_policy=`)."""
     if assistant_model is not None:
         if prompt_lookup_num_tokens is not None:
             raise ValueError("give assistant_model= or prompt_lookup_num_tokens=, not both")
-        check_spec_args(model, [assistant_model], f"fixed:{DRAFT_MODEL_LEN}")       # its vocabulary, its device
-        return Speculation(max_len=DRAFT_MODEL_LEN, draft_model=assistant_model)
-    lookup = prompt_lookup_num_tokens
-    if lookup is None:
-        lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
-    if lookup is None:
-        return None
-    ngram = max_matching_ngram_size or getattr(generation_config, "max_matching_ngram_size", None) or 2
-    for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return Speculation(max_len=lookup, lookup=PromptLookupDrafter(max_ngram=ngram))
+        drafters, policy = check_spec_args(model, [assistant_model], spec_policy)     # its vocabulary, its device
+        speculation = Speculation(policy=policy, draft_model=assistant_model)
+    else:
+        lookup = prompt_lookup_num_tokens
+        if lookup is None:
+            lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+        if lookup is None:
+            if spec_policy is not None:
+                raise ValueError("spec_policy= needs a drafter: assistant_model= or prompt_lookup_num_tokens=")
+            return None
+        ngram = max_matching_ngram_size or getattr(generation_config, "max_matching_ngram_size", None) or 2
+        for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        drafters, policy = check_spec_args(model, [PromptLookupDrafter(max_ngram=ngram)],
+                                           f"fixed:{lookup}" if spec_policy is None else spec_policy)
+        speculation = Speculation(policy=policy, lookup=drafters[0])
+    if policy.continue_drafting is not None or policy.length.verify_lengths is not None:
+        raise ValueError(f"spec_policy {policy.length!r} weighs each draft's confidence, which continuous batching's "
+                         "drafters do not give; use 'auto', 'fixed:k', 'nightjar' or 'adaspec'")
+    ensure_profile(policy, model, drafters, batch_size=8)          # AdaSpec's, measured once per target
+    return speculation
 
 
 @dataclass
@@ -135,6 +152,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self._drafts: dict[str, list[int]] = {}       # request id -> this step's drafts
         self._rows: list[LogitRows] | None = None     # None: a plain step (Transformers' own)
         self._num_logits = 0
+        self._plan, self._draft_s, self._verify_s = None, 0.0, 0.0    # this step's (ctx, k's, requests), times
         self.steps: list[SpecStep] = []
 
     def reset(self) -> None:
@@ -158,16 +176,26 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         limit = self.cb_config.max_requests_per_batch
         decoding = [state for state in self.scheduler.active_requests.values()
                     if state.status == RequestStatus.DECODING and state.generated_tokens]
+        rooms = [math.inf if s.max_new_tokens is None else s.max_new_tokens - s.generated_len() for s in decoding]
+        self._plan = None
+        if decoding:
+            ctx = StepContext(step=len(self.steps), batch_size=len(decoding), num_drafters=1,
+                              rows=list(range(len(decoding))), remaining=int(min(max(rooms), 1 << 30)),
+                              context_tokens=sum(len(s.initial_tokens) + s.generated_len() for s in decoding))
+            decision = self.speculation.policy.choose(ctx)
         budget, ks = limit - len(decoding), []
-        for state in decoding:
-            room = math.inf if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
-            ks.append(int(max(0, min(self.speculation.max_len, room - 1, budget))))
+        for room in rooms:
+            ks.append(int(max(0, min(decision.k, room - 1, budget))))
             budget -= ks[-1]
+        if decoding:
+            self._plan = (ctx, decision.k, max(ks), decoding)
+        start = timing.now()
         self._drafts = {}
         for state, drafts in zip(decoding, self.drafter.propose(decoding, ks)):
             state.tokens_to_process = [state.generated_tokens[-1], *drafts]
             if drafts:
                 self._drafts[state.request_id] = drafts
+        self._draft_s = timing.now() - start
         self.scheduler.max_requests_per_batch = limit - sum(map(len, self._drafts.values()))
 
     def _widen_logits(self) -> list[LogitRows] | None:
@@ -198,6 +226,11 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
     # verify
     @torch.no_grad()
     def _generation_step(self, model) -> None:
+        start = timing.now()
+        self._verify(model)
+        self._verify_s = timing.now() - start
+
+    def _verify(self, model) -> None:
         if self._rows is None:
             return super()._generation_step(model)
         ios, n = self.inputs_and_outputs, self._num_logits
@@ -211,10 +244,12 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
     def update_batch(self) -> None:
         if self._rows is None:       # no scheduled request drafted (a draft model may have): a plain step
             self.drafter.accepted({})
-            self.steps.append(SpecStep(requests=len(self.inputs_and_outputs.requests_in_batch), drafted=0, accepted=0))
+            scheduled = self.inputs_and_outputs.requests_in_batch
+            self.steps.append(SpecStep(requests=len(scheduled), drafted=0, accepted=0))
+            self._observe({}, {}, {f.state.request_id: 1 for f in scheduled if f.has_new_token})
             return super().update_batch()
         rows, self._rows = self._rows, None
-        step, kept = SpecStep(requests=len(rows), drafted=0, accepted=0), {}
+        step, verified, kept, emitted = SpecStep(requests=len(rows), drafted=0, accepted=0), {}, {}, {}
         self.steps.append(step)
         ios, n = self.inputs_and_outputs, self._num_logits
         tokens = ios.output_ids[0, :n].tolist()                       # the step's one host read
@@ -232,12 +267,13 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             drafts = self._drafts.get(state.request_id, [])[:row.count - 1]
             accepted = _accepted(drafts, chosen)
             step.drafted, step.accepted = step.drafted + len(drafts), step.accepted + accepted
-            kept[state.request_id] = accepted
+            verified[state.request_id], kept[state.request_id] = len(drafts), accepted
             complete = self._step_back(row.request, len(drafts) - accepted)
             for j in range(accepted + 1):
                 finished = state.update_and_check_completion(chosen[j], logprobs[row.first + j] if logprobs else None)
                 if finished:
                     break
+            emitted[state.request_id] = j + 1
             self.cache.mark_complete_blocks(state, complete)
             if finished:
                 self.scheduler.finish_request(state.request_id)
@@ -245,12 +281,25 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             if state.streaming or state.status == RequestStatus.FINISHED:
                 outputs.append(state.to_generation_output())
         self.drafter.accepted(kept)
+        self._observe(verified, kept, emitted)
         if outputs:
             self.output_router.deliver_batch(outputs)
         if self.scheduler._requests_to_fork:
             # Transformers' update over no requests runs only its fork step (num_return_sequences > 1)
             ios.requests_in_batch = []
             super().update_batch()
+
+    def _observe(self, verified: dict[str, int], kept: dict[str, int], emitted: dict[str, int]) -> None:
+        """The policy learns from the step's record: per decoding request planned, drafts verified,
+        accepted and tokens emitted; the drafting and verification times."""
+        if self._plan is None:
+            return
+        ctx, decided_k, k, decoding = self._plan
+        ids = [s.request_id for s in decoding]
+        record = StepRecord.of_step(ctx, k, decided_k, [verified.get(i, 0) for i in ids], [kept.get(i, 0) for i in ids],
+                                    emitted=[emitted.get(i, 0) for i in ids], draft_s=self._draft_s,
+                                    verify_s=self._verify_s)
+        self.speculation.policy.observe(record)
 
     def _step_back(self, future: FutureRequestState, rejected: int) -> dict[str, int]:
         """Forget a request's `rejected` last cache slots (the next forward writes over them); returns

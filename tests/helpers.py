@@ -41,13 +41,19 @@ class ForwardClock:
         return base * (1 + self.per_token * (tokens - 1))
 
     def install(self, monkeypatch) -> None:
-        from hf_specdec import cached_model, timing
+        from hf_specdec import cached_model, continuous_batching, timing
         forward = cached_model.CachedModel.forward
+        packed = continuous_batching.SpecBatchProcessor._verify
 
         def timed(runner, tokens, real, counts=None, *, keep):
             self.time += self.cost(runner.model, tokens.numel())
             return forward(runner, tokens, real, counts, keep=keep)
+
+        def timed_packed(processor, model):        # continuous batching's forward of every scheduled token
+            self.time += self.cost(model, processor.inputs_and_outputs.num_q_tokens)
+            return packed(processor, model)
         monkeypatch.setattr(cached_model.CachedModel, "forward", timed)
+        monkeypatch.setattr(continuous_batching.SpecBatchProcessor, "_verify", timed_packed)
         monkeypatch.setattr(timing, "now", self.now)
 
 

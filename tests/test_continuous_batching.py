@@ -8,6 +8,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 import hf_specdec
 from hf_specdec.continuous_batching import SpecBatchingManager, Speculation
 from hf_specdec.drafters.ngram import PromptLookupDrafter
+from hf_specdec.policies import resolve_policy
 from hf_specdec.testing import VOCAB, build
 
 # distinct prompts, some repetitive (prompt lookup finds matches), of different lengths (prefill chunks)
@@ -18,6 +19,11 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3, 4, 3
 @pytest.fixture(scope="module")
 def model():
     return build("llama", layers=2)
+
+
+def speculation(k: int, **drafter) -> Speculation:
+    """k drafts a step (a fixed length), from `drafter` (lookup= or draft_model=)."""
+    return Speculation(policy=resolve_policy(f"fixed:{k}"), **drafter)
 
 
 def generation(max_new_tokens=24, eos_token_id=-1, **kwargs):
@@ -92,7 +98,7 @@ def test_an_oracle_with_errors_gives_plain_output_at_every_acceptance_count(mode
     config, cb = generation(), batching(page_size=page_size, max_batch_tokens=max_batch_tokens)
     expected = plain(model, PROMPTS, config, cb)
     oracle = Oracle(PROMPTS, expected)
-    got, steps = run(model, PROMPTS, config, cb, Speculation(max_len=4, lookup=oracle))
+    got, steps = run(model, PROMPTS, config, cb, speculation(4, lookup=oracle))
     assert got == expected
     assert sum(s.accepted for s in steps) > 0 and sum(s.drafted - s.accepted for s in steps) > 0
     assert len(steps) < sum(len(v) for v in expected.values())    # fewer forwards than tokens
@@ -128,11 +134,11 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     from hf_specdec.testing import noisy_copy
     config, cb = generation(max_new_tokens=20), batching(max_batch_tokens=max_batch_tokens)
     expected = plain(model, PROMPTS, config, cb)
-    got, steps = run(model, PROMPTS, config, cb, Speculation(max_len=4, draft_model=copy.deepcopy(model)))
+    got, steps = run(model, PROMPTS, config, cb, speculation(4, draft_model=copy.deepcopy(model)))
     assert got == expected
     assert sum(s.accepted for s in steps) == sum(s.drafted for s in steps) > len(PROMPTS) * 10
     draft = noisy_copy(model, 0.05)
-    got, steps = run(model, PROMPTS, config, cb, Speculation(max_len=4, draft_model=draft))
+    got, steps = run(model, PROMPTS, config, cb, speculation(4, draft_model=draft))
     assert got == expected
     assert 0 < sum(s.accepted for s in steps) < sum(s.drafted for s in steps)
     hf_specdec.enable(model)
@@ -149,7 +155,7 @@ def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
     for config in (generation(eos_token_id=eos), generation(max_new_tokens=7)):
         expected = plain(model, PROMPTS, config, batching())
         got, steps = run(model, PROMPTS, config, batching(),
-                         Speculation(max_len=6, lookup=Oracle(PROMPTS, free)))
+                         speculation(6, lookup=Oracle(PROMPTS, free)))
         assert got == expected
     assert any(len(v) < 24 for v in expected.values()) or eos not in sum(expected.values(), [])
 
@@ -157,7 +163,7 @@ def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
 def test_cancelled_request_leaves_the_others_exact_and_frees_its_blocks(model):
     config, cb = generation(max_new_tokens=40), batching()
     expected = plain(model, PROMPTS, config, cb)
-    got, _ = run(model, PROMPTS, config, cb, Speculation(max_len=3, lookup=PromptLookupDrafter()), cancel=2)
+    got, _ = run(model, PROMPTS, config, cb, speculation(3, lookup=PromptLookupDrafter()), cancel=2)
     assert got == {rid: tokens for rid, tokens in expected.items() if rid != "req_2"}
 
 
@@ -166,7 +172,7 @@ def test_prefix_sharing_over_a_second_round_built_from_the_first(model):
     first = plain(model, PROMPTS, config, cb)
     second_prompts = [p + first[f"req_{i}"][:9] for i, p in enumerate(PROMPTS)]
     expected = plain(model, second_prompts, config, cb)
-    manager = SpecBatchingManager(model, config, cb, speculation=Speculation(max_len=3, lookup=PromptLookupDrafter()))
+    manager = SpecBatchingManager(model, config, cb, speculation=speculation(3, lookup=PromptLookupDrafter()))
     manager.start()
     try:
         rounds = []
@@ -190,11 +196,11 @@ def test_prefix_sharing_over_a_second_round_built_from_the_first(model):
 
 
 def test_what_speculation_cannot_run_is_refused_before_any_work(model):
-    speculation = Speculation(max_len=3, lookup=PromptLookupDrafter())
+    spec = speculation(3, lookup=PromptLookupDrafter())
     with pytest.raises(ValueError, match="use_async_batching"):
-        SpecBatchingManager(model, generation(), batching(use_async_batching=True), speculation=speculation)
+        SpecBatchingManager(model, generation(), batching(use_async_batching=True), speculation=spec)
     with pytest.raises(ValueError, match="sliding-window"):
-        SpecBatchingManager(build("mistral"), generation(), batching(), speculation=speculation)
+        SpecBatchingManager(build("mistral"), generation(), batching(), speculation=spec)
     hf_specdec.enable(model)
     try:
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
@@ -245,7 +251,7 @@ def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypat
                                   minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
     if broken:      # accept every draft: a sampler without the acceptance test
         monkeypatch.setattr("hf_specdec.continuous_batching._accepted", lambda drafts, chosen: len(drafts))
-    joint, steps = sampled_joint(target, Speculation(max_len=2, lookup=Greedy(exact)), seed=1)
+    joint, steps = sampled_joint(target, speculation(2, lookup=Greedy(exact)), seed=1)
     tv = 0.5 * (joint - exact).abs().sum()
     accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
     assert drafted > SAMPLES / 2 and (broken or 0.2 * drafted < accepted < drafted)    # accepted and rejected

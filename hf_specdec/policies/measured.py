@@ -143,7 +143,7 @@ class MeasuredGoodput(LengthPolicy):
             drafting = [k for k in points if k]
             if 0 in points and len(drafting) >= 2:
                 lo, hi = drafting[-2:]
-                return max((points[hi] - points[lo]) / (hi - lo) / points[0], 0.0)
+                return max((points[hi] - points[lo]) / (hi - lo) / max(points[0], 1e-12), 0.0)   # (a coarse clock: 0 s)
         return self._draft_share()
 
     def goodputs(self, batch_size: int) -> dict[int, float]:
@@ -234,7 +234,7 @@ class MeasuredGoodput(LengthPolicy):
             k, seconds, lag = costs.catch_up
             costs.catch_up = None
             excess = seconds - k * statistics.median(costs.draft_seconds)
-            costs.catch_up_per_lag.append(max(excess, 0.0) / lag / costs.measured()[0])
+            costs.catch_up_per_lag.append(max(excess, 0.0) / lag / max(costs.measured()[0], 1e-12))
 
     def __repr__(self):
         return f"MeasuredGoodput(max_len={self.max_len}, acceptance={self.acceptance:.2f})"
