@@ -375,11 +375,12 @@ def _for_speculation(cb_config: ContinuousBatchingConfig | None, workload_hints,
 
 def init_continuous_batching(model, original, generation_config=None, continuous_batching_config=None,
                              workload_hints=None, *, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-                             assistant_model=None):
+                             assistant_model=None, spec_policy=None):
     """`model.init_continuous_batching` of an enabled model: Transformers' manager, or ours when the
     arguments, the generation config or `speculating` ask for speculation."""
     config = generation_config if generation_config is not None else model.generation_config
-    speculation = speculation_from(model, config, prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model) \
+    speculation = speculation_from(model, config, prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model,
+                                   spec_policy) \
         or _PENDING.get()
     if speculation is None:
         return original(generation_config, continuous_batching_config, workload_hints)

@@ -128,12 +128,12 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
 def generate_batch(model, original, args: tuple, kwargs: dict):
     """`generate_batch` (or a paged `generate`) with Transformers' speculation arguments:
     `assistant_model=`, `prompt_lookup_num_tokens=` (also a generation config field),
-    `max_matching_ngram_size=`. They go to our continuous batching manager; the call is
-    Transformers' own."""
+    `max_matching_ngram_size=`, and our `spec_policy=`. They go to our continuous batching
+    manager; the call is Transformers' own."""
     config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
     speculation = continuous_batching.speculation_from(
         model, config, *(kwargs.pop(name, None) for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size",
-                                                      "assistant_model")))
+                                                             "assistant_model", "spec_policy")))
     if speculation is None:       # (a paged generate() already named its speculation)
         return original(*args, **kwargs)
     with continuous_batching.speculating(speculation):

@@ -149,6 +149,41 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
 
 
+@pytest.mark.parametrize("policy", [None, "nightjar", "adaspec"])
+def test_the_policies_by_name_through_generate_batch(model, policy):
+    """"auto" by default with a draft model, Nightjar and AdaSpec by name: plain output."""
+    from hf_specdec.testing import noisy_copy
+    config, cb = generation(), batching()
+    expected = plain(model, PROMPTS, config, cb)
+    hf_specdec.enable(model)
+    try:
+        out = model.generate_batch(PROMPTS, config, cb, assistant_model=noisy_copy(model, 0.01), spec_policy=policy)
+    finally:
+        hf_specdec.disable(model)
+    assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+
+
+def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(model, monkeypatch):
+    from helpers import Scripted
+    from hf_specdec.policies import SpecPolicy
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+    config, cb = generation(max_new_tokens=16), batching()
+    expected = plain(model, PROMPTS, config, cb)
+    for ks in (lambda step: 0, lambda step: step % 3):
+        length = Scripted(ks)
+        plain_steps = []
+        original = ContinuousBatchProcessor.update_batch
+        monkeypatch.setattr(ContinuousBatchProcessor, "update_batch", lambda self: (plain_steps.append(1), original(self))[1])
+        got, steps = run(model, PROMPTS, config, cb, Speculation(policy=SpecPolicy(length=length),
+                                                                 lookup=PromptLookupDrafter()))
+        assert got == expected
+        assert all(1 <= c.batch_size <= len(PROMPTS) for c in length.contexts)
+        assert max(c.batch_size for c in length.contexts) == len(PROMPTS)       # all decode together
+        drafting = [s for s in steps if s.drafted]
+        assert len(plain_steps) == len(steps) - len(drafting)          # Transformers' own update, when none drafts
+        assert bool(drafting) == (ks(1) != 0 or ks(2) != 0)
+
+
 def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
     free = plain(model, PROMPTS, generation(), batching())
     eos = free["req_2"][5]                       # a token some requests emit mid-way
