@@ -119,7 +119,7 @@ def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, ma
         speculation = Speculation(policy=policy, lookup=drafters[0])
     if policy.continue_drafting is not None or policy.length.verify_lengths is not None:
         raise ValueError(f"spec_policy {policy.length!r} weighs each draft's confidence, which continuous batching's "
-                         "drafters do not give; use 'auto', 'fixed:k', 'nightjar' or 'adaspec'")
+                         "drafters do not give yet; use 'auto', 'fixed:k', 'nightjar', 'measured' or 'dsd'")
     ensure_profile(policy, model, drafters, batch_size=8)          # AdaSpec's, measured once per target
     return speculation
 

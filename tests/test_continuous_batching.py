@@ -149,9 +149,9 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
 
 
-@pytest.mark.parametrize("policy", [None, "nightjar", "adaspec"])
+@pytest.mark.parametrize("policy", [None, "nightjar", "dsd"])
 def test_the_policies_by_name_through_generate_batch(model, policy):
-    """"auto" by default with a draft model, Nightjar and AdaSpec by name: plain output."""
+    """"auto" by default with a draft model, Nightjar and DSD by name: plain output."""
     from hf_specdec.testing import noisy_copy
     config, cb = generation(), batching()
     expected = plain(model, PROMPTS, config, cb)
@@ -169,11 +169,11 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
     config, cb = generation(max_new_tokens=16), batching()
     expected = plain(model, PROMPTS, config, cb)
+    plain_steps, original = [], ContinuousBatchProcessor.update_batch
+    monkeypatch.setattr(ContinuousBatchProcessor, "update_batch", lambda self: (plain_steps.append(1), original(self))[1])
     for ks in (lambda step: 0, lambda step: step % 3):
         length = Scripted(ks)
-        plain_steps = []
-        original = ContinuousBatchProcessor.update_batch
-        monkeypatch.setattr(ContinuousBatchProcessor, "update_batch", lambda self: (plain_steps.append(1), original(self))[1])
+        plain_steps.clear()
         got, steps = run(model, PROMPTS, config, cb, Speculation(policy=SpecPolicy(length=length),
                                                                  lookup=PromptLookupDrafter()))
         assert got == expected
@@ -240,6 +240,8 @@ def test_what_speculation_cannot_run_is_refused_before_any_work(model):
     try:
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be an integer"):
             model.generate_batch(PROMPTS, generation(), batching(), prompt_lookup_num_tokens=0)
+        with pytest.raises(ValueError, match="confidence"):
+            model.generate_batch(PROMPTS, generation(), batching(), prompt_lookup_num_tokens=2, spec_policy="adaspec")
         with pytest.raises(ValueError, match="not both"):
             model.generate_batch(PROMPTS, generation(), batching(), assistant_model=build("llama", layers=1),
                                  prompt_lookup_num_tokens=2)
