@@ -10,6 +10,8 @@ the manager API that `generate_batch` and `transformers serve` use. Methods, int
   plain       Transformers' own manager (`type(model).init_continuous_batching`: its
               ContinuousBatchingManager and ContinuousBatchProcessor, none of our code)
   lookup:k    ours after enable(): init_continuous_batching(prompt_lookup_num_tokens=k)
+  draft       ours with the env's draft model (qwen-coder): init_continuous_batching(assistant_model=draft),
+              the default policy ("auto")
 Per method and concurrency: tokens/s (median of rounds) and its ratio to plain per round, time to
 first token and time per output token (p50 / p99 over requests, from Transformers' per-token
 timestamps), forwards per generated token, drafts accepted, and requests identical to plain's.
@@ -38,10 +40,12 @@ logger = logging.getLogger("bench_continuous_batching")
 
 
 def serve(model, method: Method, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
-          cb_config: ContinuousBatchingConfig) -> dict:
+          cb_config: ContinuousBatchingConfig, draft=None) -> dict:
     """One closed-loop run: request id -> GenerationOutput, seconds, and the speculating steps."""
     if method.name == "plain":
         manager = type(model).init_continuous_batching(model, config, cb_config)
+    elif method.name == "draft":
+        manager = model.init_continuous_batching(config, cb_config, assistant_model=draft)
     else:
         manager = model.init_continuous_batching(config, cb_config, prompt_lookup_num_tokens=method.k)
     pending, results = list(enumerate(prompts)), {}
@@ -95,7 +99,8 @@ def markdown(payload: dict) -> str:
     args = payload["args"]
     lines = [f"{args['env']}: {args['requests']} HumanEval prompts, {args['max_new_tokens']} new tokens each (greedy, "
              "EOS ends a request), a closed loop of `concurrency` requests in flight through Transformers' continuous "
-             "batching manager; plain: Transformers' own manager; lookup:k: ours, prompt lookup. x plain: median "
+             "batching manager; plain: Transformers' own manager; lookup:k: ours, prompt lookup; draft: ours, the draft "
+             "model, policy auto. x plain: median "
              f"[min, max] of per-round ratios over {args['rounds']} rounds after a warm-up. TTFT / TPOT: p50 / p99 "
              "over requests (seconds). Both managers: ContinuousBatchingConfig(max_batch_tokens="
              f"{args['max_batch_tokens']}, num_blocks={args['num_blocks']}) (Transformers' CPU defaults size a 10 GB "
@@ -134,6 +139,7 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--lookup", type=ints, default=[3], help="prompt_lookup_num_tokens values")
+    parser.add_argument("--no-draft", action="store_true", help="leave out the env's draft model")
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--num-blocks", type=int, default=64, help="cache blocks of 256 tokens")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after a warm-up round")
@@ -147,7 +153,8 @@ def main(argv=None) -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
                               eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     hf_specdec.enable(model)
-    methods = [Method("plain")] + [Method(f"lookup:{k}", k=k) for k in args.lookup]
+    methods = [Method("plain")] + [Method(f"lookup:{k}", k=k) for k in args.lookup] + \
+        ([Method("draft")] if env.draft is not None and not args.no_draft else [])
     results = Results(Path(args.out), vars(args), markdown, plot)
     for concurrency in args.concurrency:
         if results.done({"concurrency": concurrency}):
@@ -156,7 +163,7 @@ def main(argv=None) -> None:
 
         def run(method):     # timed from the first request in to the last result out (not the manager's set-up)
             cb_config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
-            runs[method.name] = serve(model, method, prompts, concurrency, config, cb_config)
+            runs[method.name] = serve(model, method, prompts, concurrency, config, cb_config, env.draft)
             seconds[method.name].append(runs[method.name]["seconds"])
         interleaved(methods, run, args.rounds)
         ratios = speed({name: values[1:] for name, values in seconds.items()}, "plain")    # round 0: a warm-up
