@@ -46,9 +46,9 @@ from transformers.generation.continuous_batching.continuous_api import (Continuo
                                                                         ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
 
+from . import timing
 from .continuous_drafters import LookupDrafts, ModelDrafts
 from .drafters.ngram import PromptLookupDrafter
-from . import timing
 from .generate import check_spec_args, ensure_profile
 from .policies import SpecPolicy, StepContext
 from .stats import StepRecord
@@ -120,7 +120,7 @@ def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, ma
     if policy.continue_drafting is not None or policy.length.verify_lengths is not None:
         raise ValueError(f"spec_policy {policy.length!r} weighs each draft's confidence, which continuous batching's "
                          "drafters do not give yet; use 'auto', 'fixed:k', 'nightjar', 'measured' or 'dsd'")
-    ensure_profile(policy, model, drafters, batch_size=8)          # AdaSpec's, measured once per target
+    ensure_profile(policy, model, drafters, batch_size=8)      # a profiled policy's (DSD): measured once per target
     return speculation
 
 
@@ -177,18 +177,18 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         decoding = [state for state in self.scheduler.active_requests.values()
                     if state.status == RequestStatus.DECODING and state.generated_tokens]
         rooms = [math.inf if s.max_new_tokens is None else s.max_new_tokens - s.generated_len() for s in decoding]
-        self._plan = None
+        self._plan, k = None, 0
         if decoding:
             ctx = StepContext(step=len(self.steps), batch_size=len(decoding), num_drafters=1,
                               rows=list(range(len(decoding))), remaining=int(min(max(rooms), 1 << 30)),
                               context_tokens=sum(len(s.initial_tokens) + s.generated_len() for s in decoding))
-            decision = self.speculation.policy.choose(ctx)
+            k = self.speculation.policy.choose(ctx).k
         budget, ks = limit - len(decoding), []
-        for room in rooms:
-            ks.append(int(max(0, min(decision.k, room - 1, budget))))
+        for room in rooms:                          # each request within its room and the spare logit rows
+            ks.append(int(max(0, min(k, room - 1, budget))))
             budget -= ks[-1]
         if decoding:
-            self._plan = (ctx, decision.k, max(ks), decoding)
+            self._plan = (ctx, k, max(ks), decoding)
         start = timing.now()
         self._drafts = {}
         for state, drafts in zip(decoding, self.drafter.propose(decoding, ks)):

@@ -184,6 +184,46 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
         assert bool(drafting) == (ks(1) != 0 or ks(2) != 0)
 
 
+def test_streaming_delivers_accepted_tokens_as_they_come(model):
+    """streaming=True: each delivery a prefix of the final output, which is plain; a step that
+    accepts drafts delivers them together."""
+    import copy
+    config, cb = generation(max_new_tokens=20), batching()
+    expected = plain(model, PROMPTS, config, cb)
+    manager = SpecBatchingManager(model, config, cb, speculation=speculation(4, draft_model=copy.deepcopy(model)))
+    manager.start()
+    try:
+        ids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=20, streaming=True)
+               for i, p in enumerate(PROMPTS)]
+        deliveries, final = {i: [] for i in ids}, {}
+        while len(final) < len(ids):
+            result = manager.get_result(timeout=60)
+            assert result is not None and result.error is None
+            deliveries[result.request_id].append(list(result.generated_tokens))
+            if result.is_finished():
+                final[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert final == expected
+    for rid, seen in deliveries.items():
+        assert all(expected[rid][:len(d)] == d for d in seen)
+        assert len(seen) < len(expected[rid])          # several tokens a delivery
+
+
+def test_num_return_sequences_forks_requests_with_their_drafts(model):
+    # sampling with top_k=1: forks need do_sample, and the outputs stay deterministic
+    config = generation(max_new_tokens=16, num_return_sequences=2, do_sample=True, top_k=1)
+    cb = batching(max_batch_tokens=8)
+    expected = plain(model, PROMPTS, config, cb)
+    assert len(expected) == 2 * len(PROMPTS)
+    hf_specdec.enable(model)
+    try:
+        out = model.generate_batch(PROMPTS, config, cb, prompt_lookup_num_tokens=3)
+    finally:
+        hf_specdec.disable(model)
+    assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+
+
 def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
     free = plain(model, PROMPTS, generation(), batching())
     eos = free["req_2"][5]                       # a token some requests emit mid-way
