@@ -419,3 +419,19 @@ def run_with_candidate_generator(model, build, generate, *args, **kwargs):
             del model._get_candidate_generator
         else:
             model._get_candidate_generator = previous
+
+
+# Transformers' continuous batching (generation/continuous_batching/, the same in 5.23 and 5.24): a
+# batch's small int32 inputs live in one bulk tensor of max_batch_tokens + 1 columns;
+# `logits_indices` is a view of its row 3 cut to max_requests_per_batch, and the rows from
+# `static_inputs` on hold the logits processors' per-row arguments.
+def cb_logit_rows(ios) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ContinuousBatchingIOs' (logits indices [max_batch_tokens], processor arguments
+    [processors, max_batch_tokens]) at their full width: room for a logit row per query token."""
+    bulk = ios._bulk_input_tensor
+    return bulk[3], bulk[ios.static_inputs:]
+
+
+def cb_forks_pending(scheduler) -> bool:
+    """A continuous batching scheduler has requests to fork (num_return_sequences > 1)."""
+    return bool(scheduler._requests_to_fork)

@@ -46,7 +46,7 @@ from transformers.generation.continuous_batching.continuous_api import (Continuo
                                                                         ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
 
-from . import timing
+from . import _compat, timing
 from .continuous_drafters import LookupDrafts, ModelDrafts
 from .drafters.ngram import PromptLookupDrafter
 from .generate import check_spec_args, ensure_profile
@@ -217,9 +217,10 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 count = int(future.has_new_token)
             rows.append(LogitRows(request=future, first=len(logits), count=count))
             logits.extend(range(end - count, end))
-        ios._bulk_input_tensor[3, :len(logits)] = torch.tensor(logits, dtype=torch.int32)
+        indices, arguments = _compat.cb_logit_rows(ios)
+        indices[:len(logits)] = torch.tensor(logits, dtype=torch.int32)
         repeated = [row.request for row in rows for _ in range(row.count)]
-        self.logit_processor.prepare_tensor_args(repeated, ios._bulk_input_tensor[ios.static_inputs:])
+        self.logit_processor.prepare_tensor_args(repeated, arguments)
         self._num_logits = len(logits)
         return rows
 
@@ -235,8 +236,8 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             return super()._generation_step(model)
         ios, n = self.inputs_and_outputs, self._num_logits
         batch_data = ios.get_model_kwargs(use_padding=False)
-        batch_data["logits_indices"] = ios._bulk_input_tensor[3, :n]
-        batch_data["logits_processor_args"] = ios._bulk_input_tensor[ios.static_inputs:, :n]
+        indices, arguments = _compat.cb_logit_rows(ios)
+        batch_data["logits_indices"], batch_data["logits_processor_args"] = indices[:n], arguments[:, :n]
         self.model_runner.compute_batch(model, batch_data)
         ios.retrieve_device_outputs()
 
@@ -284,7 +285,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self._observe(verified, kept, emitted)
         if outputs:
             self.output_router.deliver_batch(outputs)
-        if self.scheduler._requests_to_fork:
+        if _compat.cb_forks_pending(self.scheduler):
             # Transformers' update over no requests runs only its fork step (num_return_sequences > 1)
             ios.requests_in_batch = []
             super().update_batch()
