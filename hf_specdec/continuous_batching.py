@@ -6,8 +6,8 @@ A step of Transformers' loop (`ContinuousBatchProcessor`): the scheduler packs e
 request's query (a decoding request's pending token, a prefill chunk) into one row, the model runs
 once over the paged cache, and Transformers' processors and sampler pick a token at each request's
 last position. `SpecBatchProcessor` adds the step protocol around it:
-  plan     each decoding request's draft length: the longest `Speculation.max_len`, cut to the
-           request's room and to the batch's logit rows (`_propose`);
+  plan     the policy's k from the decoding requests (`SpecPolicy.choose`), cut per request to its
+           room and to the batch's spare logit rows (`_propose`);
   draft    the drafter proposes from the request's tokens; the pending token + drafts become the
            request's query, scheduled as Transformers schedules any query (a token budget cuts the
            drafts, as it cuts a prefill chunk);
@@ -16,7 +16,8 @@ last position. `SpecBatchProcessor` adds the step protocol around it:
   commit   a draft is accepted while it equals the token Transformers' own sampler picked at its
            position; the request appends the accepted drafts + 1 token through Transformers'
            `update_and_check_completion` (EOS and max_new_tokens as in a plain step) and steps its
-           position back over the rejected drafts, whose cache slots the next forward overwrites.
+           position back over the rejected drafts, whose cache slots the next forward overwrites;
+  observe  the policy gets the step's record (`_observe`).
 Drafts are point masses, so accepting a draft d when the target's own sample equals it is exact
 rejection sampling: accepted with probability p(d), and a rejected position's sample is p without
 d, renormalised (the residual). Greedy, it is argmax equality. Either way the output is the
@@ -30,7 +31,7 @@ Transformers' own step, untouched.
 Not with speculation (a clear error before any work): asynchronous batching (it carries one token
 ahead), CUDA graphs and compiled paths (padded shapes), sliding-window layers (their ring cache
 would overwrite tokens still in the window with rejected drafts). Drafters: `continuous_drafters.py`.
-Tested on Transformers 5.24.
+Run on Transformers 5.24 (5.23's continuous batching is the same source; the suite has not run there).
 """
 from __future__ import annotations
 
@@ -358,8 +359,9 @@ def _for_speculation(cb_config: ContinuousBatchingConfig | None, workload_hints,
     compiled (padded) paths, with room for a logit row per draft. Raises if the user asked for
     what speculation cannot run."""
     config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
-    asked = {"use_async_batching": bool(config.use_async_batching), "use_cuda_graph": bool(config.use_cuda_graph)
-             and any(config.use_cuda_graph if isinstance(config.use_cuda_graph, tuple) else (True,)),
+    graphs = config.use_cuda_graph
+    asked = {"use_async_batching": bool(config.use_async_batching),
+             "use_cuda_graph": any(graphs) if isinstance(graphs, tuple) else bool(graphs),
              "varlen_compile_config": config.varlen_compile_config is not None,
              "decode_compile_config": config.decode_compile_config is not None,
              "default_compile_level": config.default_compile_level > 0}
