@@ -360,3 +360,25 @@ def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
         {r: o.generated_tokens for r, o in runs[1]["results"].items()}
     row = bench.summary(runs[1], runs[0]["results"])
     assert row["identical"] == len(PROMPTS) and row["drafted"] > 0
+
+
+def test_blocks_are_hashed_only_over_tokens_in_the_cache(model, monkeypatch):
+    """Prefix sharing hashes a block once the cache holds all its tokens: never one whose last slots
+    hold rejected drafts (or the pending token, which the next forward writes)."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    config, cb = generation(max_new_tokens=24), batching(page_size=4)
+    expected = plain(model, PROMPTS, config, cb)
+    over = []
+    mark = PagedAttentionCache.mark_complete_blocks
+
+    def checked(cache, state, complete_blocks):
+        mark(cache, state, complete_blocks)
+        for allocator in cache.cache_allocators.values():
+            table = allocator.block_table.get(state.request_id, [])
+            hashed = sum(allocator.ledger.block_to_hash.get(b) is not None for b in table)
+            if hashed > state.position_offset // allocator.tokens_per_page:
+                over.append((state.request_id, hashed, state.position_offset))
+    monkeypatch.setattr(PagedAttentionCache, "mark_complete_blocks", checked)
+    got, steps = run(model, PROMPTS, config, cb, speculation(4, lookup=Oracle(PROMPTS, expected)))
+    assert got == expected and sum(s.drafted - s.accepted for s in steps) > 0
+    assert not over, over
