@@ -117,10 +117,14 @@ def test_prompt_warm_start_informs_the_first_choice(models, sampling):
     ids, mask = prompts(3, seed=6, min_len=8, max_len=12)
     extra = dict(do_sample=True, top_k=0) if sampling else {}
     policy = hf_specdec.SpecPolicy(hf_specdec.HedgeSpec(prompt_positions=6, pick="argmax"), hf_specdec.FixedLength(2))
+    primed, prime = [], policy.selector.prime
+    policy.selector.prime = lambda gammas: (primed.append(gammas), prime(gammas))[1]
     out = spec(target, [weak, hf_specdec.PromptLookupDrafter(), target], policy, input_ids=ids, attention_mask=mask,
                max_new_tokens=6, return_dict_in_generate=True, **extra)
     assert out.spec_stats.steps[0].drafters == [2, 2, 2]
-    assert out.spec_stats.prime_seconds > 0          # on the injected clock (conftest): priming ran forwards
+    # priming scored every drafter on positions of every row before the first step
+    assert len(primed) == 1 and sorted(primed[0]) == [0, 1, 2]
+    assert all(len(row) > 0 and all(len(g) == 3 for g in row) for row in primed[0].values())
     if not sampling:
         assert_same(out.sequences, target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6))
 
