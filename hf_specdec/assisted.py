@@ -47,7 +47,7 @@ DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "consta
 def wants_assisted(model, kwargs: dict) -> bool:
     """Whether a generate() call asks for Transformers' assisted generation."""
     return kwargs.get("assistant_model") is not None or \
-        _setting("prompt_lookup_num_tokens", kwargs, kwargs.get("generation_config"), model.generation_config) is not None
+        setting("prompt_lookup_num_tokens", kwargs, kwargs.get("generation_config"), model.generation_config) is not None
 
 
 # settings of Transformers' assisted generation that only its own loop runs (at batch 1)
@@ -59,12 +59,12 @@ def transformers_only(model, kwargs: dict) -> str | None:
     loop cannot honour: handing it over is what keeps its result), or None."""
     config = kwargs.get("generation_config")
     for name in TRANSFORMERS_ONLY:
-        value = _setting(name, kwargs, config, model.generation_config)
+        value = setting(name, kwargs, config, model.generation_config)
         if value not in (None, False):
             return f"{name}={value!r}"
     if kwargs.get("assistant_tokenizer") is not None:
         return "assistant_tokenizer= (a draft with another vocabulary)"
-    if (_setting("num_beams", kwargs, config, model.generation_config) or 1) > 1:
+    if (setting("num_beams", kwargs, config, model.generation_config) or 1) > 1:
         return "num_beams > 1"
     if model.config.is_encoder_decoder:
         return f"an encoder-decoder target ({type(model).__name__})"
@@ -89,7 +89,7 @@ def transformers_only(model, kwargs: dict) -> str | None:
 def _compiles(model, kwargs: dict) -> bool:
     """Whether this call would compile the decoding forwards (a static cache where Transformers compiles)."""
     config = kwargs.get("generation_config") or model.generation_config
-    if _setting("cache_implementation", kwargs, config) != "static":
+    if setting("cache_implementation", kwargs, config) != "static":
         return False
     return _compat.compile_config(model, config) is not None
 
@@ -102,7 +102,7 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
     kwargs_before, kwargs = kwargs, dict(kwargs)
     assistant = kwargs.pop("assistant_model", None)
     call_config, own = kwargs.get("generation_config"), _config_of(assistant)
-    settings = {name: _setting(name, kwargs, call_config, own, model.generation_config)
+    settings = {name: setting(name, kwargs, call_config, own, model.generation_config)
                 for name in SCHEDULE_FIELDS + LOOKUP_FIELDS}
     for name in SCHEDULE_FIELDS + LOOKUP_FIELDS:
         kwargs.pop(name, None)
@@ -115,10 +115,10 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
         return kwargs, None
     # Transformers persists a heuristic length only on an assistant whose own config asks for it
     persists = own is not None and own.num_assistant_tokens_schedule == "heuristic" and \
-        _setting("num_assistant_tokens_schedule", kwargs_before, call_config) is None
+        setting("num_assistant_tokens_schedule", kwargs_before, call_config) is None
     # lossy ensemble verification's result depends on the draft lengths: Transformers' own, then
-    lossy = _setting("assistant_ensemble_weight", kwargs, call_config, model.generation_config) is not None
-    kwargs["assistant_models"], policy = _drafters_and_policy(assistant, settings, lossy)
+    lossy = setting("assistant_ensemble_weight", kwargs, call_config, model.generation_config) is not None
+    kwargs["assistant_models"], policy = drafters_and_policy(assistant, settings, lossy)
     if "spec_policy" not in kwargs and policy is not None:
         kwargs["spec_policy"] = policy
         if persists:
@@ -127,7 +127,7 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
     return kwargs, after
 
 
-def _drafters_and_policy(assistant, settings: dict, transformers_lengths: bool = False):
+def drafters_and_policy(assistant, settings: dict, transformers_lengths: bool = False):
     lookup = settings["prompt_lookup_num_tokens"]
     if lookup is not None:
         if assistant is not None:
@@ -156,7 +156,7 @@ def _drafters_and_policy(assistant, settings: dict, transformers_lengths: bool =
     return drafters, HFHeuristic(n, threshold=threshold)
 
 
-def _setting(name: str, kwargs: dict, *configs):
+def setting(name: str, kwargs: dict, *configs):
     """The first value set: the call's keyword, then each config in turn (None: unset)."""
     if kwargs.get(name) is not None:
         return kwargs[name]

@@ -47,9 +47,8 @@ from transformers.generation.continuous_batching.continuous_api import (Continuo
                                                                         ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
 
-from . import _compat, timing
+from . import _compat, assisted, timing
 from .continuous_drafters import LookupDrafts, ModelDrafts
-from .drafters.ngram import PromptLookupDrafter
 from .generate import check_spec_args, ensure_profile
 from .policies import SpecPolicy, StepContext
 from .stats import StepRecord
@@ -96,28 +95,20 @@ def speculating(speculation: Speculation | None):
 def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
                      assistant_model=None, spec_policy=None) -> Speculation | None:
     """The speculation the arguments ask for (arguments first, then the generation config's
-    fields), or None: a draft model (`assistant_model=`, policy "auto" unless `spec_policy=`) or
-    prompt lookup (`prompt_lookup_num_tokens=n`: n drafts a step, as Transformers, unless `spec_policy=`)."""
-    if assistant_model is not None:
-        if prompt_lookup_num_tokens is not None:
-            raise ValueError("give assistant_model= or prompt_lookup_num_tokens=, not both")
-        drafters, policy = check_spec_args(model, [assistant_model], spec_policy)     # its vocabulary, its device
-        speculation = Speculation(policy=policy, draft_model=assistant_model)
-    else:
-        lookup = prompt_lookup_num_tokens
-        if lookup is None:
-            lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
-        if lookup is None:
-            if spec_policy is not None:
-                raise ValueError("spec_policy= needs a drafter: assistant_model= or prompt_lookup_num_tokens=")
-            return None
-        ngram = max_matching_ngram_size or getattr(generation_config, "max_matching_ngram_size", None) or 2
-        for name, value in (("prompt_lookup_num_tokens", lookup), ("max_matching_ngram_size", ngram)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        drafters, policy = check_spec_args(model, [PromptLookupDrafter(max_ngram=ngram)],
-                                           f"fixed:{lookup}" if spec_policy is None else spec_policy)
-        speculation = Speculation(policy=policy, lookup=drafters[0])
+    fields), or None. Transformers' arguments map as in `generate()` (`assisted.py`): a draft model
+    runs "auto" unless a schedule is set, `prompt_lookup_num_tokens=n` n drafts a step; `spec_policy=`
+    wins over both."""
+    given = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size}
+    settings = {name: assisted.setting(name, given, generation_config)
+                for name in assisted.SCHEDULE_FIELDS + assisted.LOOKUP_FIELDS}
+    if assistant_model is None and settings["prompt_lookup_num_tokens"] is None:
+        if spec_policy is not None:
+            raise ValueError("spec_policy= needs a drafter: assistant_model= or prompt_lookup_num_tokens=")
+        return None
+    drafters, policy = assisted.drafters_and_policy(assistant_model, settings)
+    drafters, policy = check_spec_args(model, drafters, policy if spec_policy is None else spec_policy)
+    speculation = Speculation(policy=policy, lookup=drafters[0]) if assistant_model is None else \
+        Speculation(policy=policy, draft_model=assistant_model)
     if policy.continue_drafting is not None or policy.length.verify_lengths is not None:
         raise ValueError(f"spec_policy {policy.length!r} weighs each draft's confidence, which continuous batching's "
                          "drafters do not give yet; use 'auto', 'fixed:k', 'nightjar', 'measured' or 'dsd'")
