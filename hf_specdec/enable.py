@@ -130,6 +130,10 @@ def generate_batch(model, original, args: tuple, kwargs: dict):
     `assistant_model=`, `prompt_lookup_num_tokens=` (also a generation config field),
     `max_matching_ngram_size=`, and our `spec_policy=`. They go to our continuous batching
     manager; the call is Transformers' own."""
+    unsupported = [name for name in _SPEC_KWARGS if name != "spec_policy" and kwargs.get(name) is not None]
+    if unsupported:      # (Transformers' continuous batching would drop them silently)
+        raise ValueError(f"{', '.join(unsupported)} not supported in continuous batching; give one draft as "
+                         "assistant_model= or prompt_lookup_num_tokens=, and spec_policy=")
     config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
     speculation = continuous_batching.speculation_from(
         model, config, *(kwargs.pop(name, None) for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size",

@@ -280,6 +280,9 @@ def test_what_speculation_cannot_run_is_refused_before_any_work(model):
     try:
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be"):
             model.generate_batch(PROMPTS, generation(), batching(), prompt_lookup_num_tokens=0)
+        with pytest.raises(ValueError, match="assistant_models not supported in continuous batching"):
+            model.generate(torch.tensor([PROMPTS[0]]), generation_config=generation(), cache_implementation="paged",
+                           assistant_models=[build("llama", layers=1)])
         with pytest.raises(ValueError, match="confidence"):
             model.generate_batch(PROMPTS, generation(), batching(), prompt_lookup_num_tokens=2, spec_policy="adaspec")
         with pytest.raises(ValueError, match="not both"):
