@@ -41,7 +41,8 @@ logger = logging.getLogger("bench_continuous_batching")
 
 def serve(model, method: Method, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
           cb_config: ContinuousBatchingConfig, draft=None) -> dict:
-    """One closed-loop run: request id -> GenerationOutput, seconds, and the speculating steps."""
+    """One closed-loop run: request id -> GenerationOutput, seconds, and the speculating processor's
+    counts (`SpecCounts`; None for plain)."""
     if method.name == "plain":
         manager = type(model).init_continuous_batching(model, config, cb_config)
     elif method.name == "draft":
@@ -67,11 +68,11 @@ def serve(model, method: Method, prompts: list[list[int]], concurrency: int, con
                 if pending:
                     submit()
         seconds = time.perf_counter() - start
-        steps = getattr(manager.batch_processor, "steps", None)
+        counts = getattr(manager.batch_processor, "counts", None)
     finally:
         manager.stop(block=True, timeout=60)
         manager.destroy()
-    return {"results": results, "seconds": seconds, "steps": steps}
+    return {"results": results, "seconds": seconds, "counts": counts}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -88,10 +89,9 @@ def summary(run: dict, reference: dict) -> dict:
     row = {"tokens": generated, "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
            "identical": sum(r.generated_tokens == reference[rid].generated_tokens for rid, r in results.items()),
            "requests": len(results)}
-    if run["steps"] is not None:
-        steps = run["steps"]
-        row.update(forwards_per_token=len(steps) / generated, drafted=sum(s.drafted for s in steps),
-                   accepted=sum(s.accepted for s in steps))
+    if run["counts"] is not None:
+        counts = run["counts"]
+        row.update(forwards_per_token=counts.steps / generated, drafted=counts.drafted, accepted=counts.accepted)
     return row
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import logging
 import math
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ from .policies import SpecPolicy, StepContext
 from .stats import StepRecord
 from .tiers import SPEC_TIERS
 
-__all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "init_continuous_batching",
+logger = logging.getLogger(__name__)
+__all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "SpecCounts", "init_continuous_batching",
            "speculating"]
 
 
@@ -78,6 +80,7 @@ class Speculation:
         return getattr(length, "max_len", None) or getattr(length, "k", None) or max(SPEC_TIERS)
 
 
+LOG_EVERY = 1000       # drafting forwards between two INFO lines of a processor's counts
 _PENDING: contextvars.ContextVar[Speculation | None] = contextvars.ContextVar("hf_specdec_cb", default=None)
 
 
@@ -117,11 +120,24 @@ def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, ma
 
 
 @dataclass
-class SpecStep:
-    """One step of a speculating manager (`SpecBatchProcessor.steps`)."""
-    requests: int       # requests in the forward (decoding and prefilling)
-    drafted: int        # drafts verified
-    accepted: int
+class SpecCounts:
+    """A speculating batch processor's running totals (`SpecBatchProcessor.counts`): counts, not a
+    list of steps, since a server's processor lives as long as the server."""
+    steps: int = 0              # forwards
+    drafting_steps: int = 0     # forwards that verified drafts
+    shared_steps: int = 0       # ... of them, with another request in the same forward
+    drafted: int = 0            # drafts verified
+    accepted: int = 0
+
+    def add(self, requests: int, drafted: int, accepted: int) -> None:
+        """One forward over `requests` scheduled requests that verified `drafted` drafts."""
+        self.steps += 1
+        self.drafting_steps += drafted > 0
+        self.shared_steps += drafted > 0 and requests > 1
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
+        if drafted and self.drafting_steps % LOG_EVERY == 1:      # the first, then every LOG_EVERY-th
+            logger.info("speculation: %d forwards, %d with drafts; %d of %d drafts accepted", self.steps,
+                        self.drafting_steps, self.accepted, self.drafted)
 
 
 @dataclass
@@ -145,7 +161,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self._rows: list[LogitRows] | None = None     # None: a plain step (Transformers' own)
         self._num_logits = 0
         self._plan, self._draft_s, self._verify_s = None, 0.0, 0.0    # this step's (ctx, k's, requests), times
-        self.steps: list[SpecStep] = []
+        self.counts = SpecCounts()
 
     def reset(self) -> None:
         self._drafts, self._rows, self.drafter = {}, None, self.speculation.drafts()
@@ -171,7 +187,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         rooms = [math.inf if s.max_new_tokens is None else s.max_new_tokens - s.generated_len() for s in decoding]
         self._plan, k = None, 0
         if decoding:
-            ctx = StepContext(step=len(self.steps), batch_size=len(decoding), num_drafters=1,
+            ctx = StepContext(step=self.counts.steps, batch_size=len(decoding), num_drafters=1,
                               rows=list(range(len(decoding))), remaining=int(min(max(rooms), 1 << 30)),
                               context_tokens=sum(len(s.initial_tokens) + s.generated_len() for s in decoding))
             k = self.speculation.policy.choose(ctx).k
@@ -238,12 +254,11 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         if self._rows is None:       # no scheduled request drafted (a draft model may have): a plain step
             self.drafter.accepted({})
             scheduled = self.inputs_and_outputs.requests_in_batch
-            self.steps.append(SpecStep(requests=len(scheduled), drafted=0, accepted=0))
+            self.counts.add(requests=len(scheduled), drafted=0, accepted=0)
             self._observe({}, {}, {f.state.request_id: 1 for f in scheduled if f.has_new_token})
             return super().update_batch()
         rows, self._rows = self._rows, None
-        step, verified, kept, emitted = SpecStep(requests=len(rows), drafted=0, accepted=0), {}, {}, {}
-        self.steps.append(step)
+        verified, kept, emitted = {}, {}, {}
         ios, n = self.inputs_and_outputs, self._num_logits
         tokens = ios.output_ids[0, :n].tolist()                       # the step's one host read
         logprobs = ios.output_ids[1, :n].view(torch.float32).tolist() if self.return_logprobs else None
@@ -259,7 +274,6 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             chosen = tokens[row.first:row.first + row.count]
             drafts = self._drafts.get(state.request_id, [])[:row.count - 1]
             accepted = _accepted(drafts, chosen)
-            step.drafted, step.accepted = step.drafted + len(drafts), step.accepted + accepted
             verified[state.request_id], kept[state.request_id] = len(drafts), accepted
             complete = self._step_back(row.request, len(drafts) - accepted)
             for j in range(accepted + 1):
@@ -273,6 +287,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 self.scheduler.block_new_requests = False
             if state.streaming or state.status == RequestStatus.FINISHED:
                 outputs.append(state.to_generation_output())
+        self.counts.add(requests=len(rows), drafted=sum(verified.values()), accepted=sum(kept.values()))
         self.drafter.accepted(kept)
         self._observe(verified, kept, emitted)
         if outputs:

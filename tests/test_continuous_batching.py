@@ -64,7 +64,7 @@ class Oracle:
 
 def run(model, prompts, generation_config, cb_config, speculation, cancel=None):
     """Our manager over `prompts` (the manager API, as `transformers serve` uses it): request id ->
-    tokens, and the processor's steps. Checks that every block went back to the pool."""
+    tokens, and the processor's counts. Checks that every block went back to the pool."""
     manager = SpecBatchingManager(model, generation_config, cb_config, speculation=speculation)
     manager.start()
     try:
@@ -82,7 +82,7 @@ def run(model, prompts, generation_config, cb_config, speculation, cancel=None):
     finally:
         manager.stop(block=True, timeout=60)
     assert_no_block_leaked(processor.cache)
-    return results, processor.steps
+    return results, processor.counts
 
 
 def assert_no_block_leaked(cache):
@@ -98,12 +98,12 @@ def test_an_oracle_with_errors_gives_plain_output_at_every_acceptance_count(mode
     config, cb = generation(), batching(page_size=page_size, max_batch_tokens=max_batch_tokens)
     expected = plain(model, PROMPTS, config, cb)
     oracle = Oracle(PROMPTS, expected)
-    got, steps = run(model, PROMPTS, config, cb, speculation(4, lookup=oracle))
+    got, counts = run(model, PROMPTS, config, cb, speculation(4, lookup=oracle))
     assert got == expected
-    assert sum(s.accepted for s in steps) > 0 and sum(s.drafted - s.accepted for s in steps) > 0
-    assert len(steps) < sum(len(v) for v in expected.values())    # fewer forwards than tokens
+    assert 0 < counts.accepted < counts.drafted
+    assert counts.steps < sum(len(v) for v in expected.values())    # fewer forwards than tokens
     if max_batch_tokens == 8:      # the budget cut drafts and split prefills: both beside verification
-        assert any(s.requests > 1 and s.drafted for s in steps)
+        assert counts.shared_steps > 0
 
 
 def test_prompt_lookup_through_generate_batch_and_paged_generate(model):
@@ -134,13 +134,13 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     from hf_specdec.testing import noisy_copy
     config, cb = generation(max_new_tokens=20), batching(max_batch_tokens=max_batch_tokens)
     expected = plain(model, PROMPTS, config, cb)
-    got, steps = run(model, PROMPTS, config, cb, speculation(4, draft_model=copy.deepcopy(model)))
+    got, counts = run(model, PROMPTS, config, cb, speculation(4, draft_model=copy.deepcopy(model)))
     assert got == expected
-    assert sum(s.accepted for s in steps) == sum(s.drafted for s in steps) > len(PROMPTS) * 10
+    assert counts.accepted == counts.drafted > len(PROMPTS) * 10
     draft = noisy_copy(model, 0.05)
-    got, steps = run(model, PROMPTS, config, cb, speculation(4, draft_model=draft))
+    got, counts = run(model, PROMPTS, config, cb, speculation(4, draft_model=draft))
     assert got == expected
-    assert 0 < sum(s.accepted for s in steps) < sum(s.drafted for s in steps)
+    assert 0 < counts.accepted < counts.drafted
     hf_specdec.enable(model)
     try:
         out = model.generate_batch(PROMPTS, config, cb, assistant_model=draft)
@@ -174,14 +174,13 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
     for ks in (lambda step: 0, lambda step: step % 3):
         length = Scripted(ks)
         plain_steps.clear()
-        got, steps = run(model, PROMPTS, config, cb, Speculation(policy=SpecPolicy(length=length),
+        got, counts = run(model, PROMPTS, config, cb, Speculation(policy=SpecPolicy(length=length),
                                                                  lookup=PromptLookupDrafter()))
         assert got == expected
         assert all(1 <= c.batch_size <= len(PROMPTS) for c in length.contexts)
         assert max(c.batch_size for c in length.contexts) == len(PROMPTS)       # all decode together
-        drafting = [s for s in steps if s.drafted]
-        assert len(plain_steps) == len(steps) - len(drafting)          # Transformers' own update, when none drafts
-        assert bool(drafting) == (ks(1) != 0 or ks(2) != 0)
+        assert len(plain_steps) == counts.steps - counts.drafting_steps   # Transformers' own update, when none drafts
+        assert bool(counts.drafting_steps) == (ks(1) != 0 or ks(2) != 0)
 
 
 def test_streaming_delivers_accepted_tokens_as_they_come(model):
@@ -229,8 +228,7 @@ def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
     eos = free["req_2"][5]                       # a token some requests emit mid-way
     for config in (generation(eos_token_id=eos), generation(max_new_tokens=7)):
         expected = plain(model, PROMPTS, config, batching())
-        got, steps = run(model, PROMPTS, config, batching(),
-                         speculation(6, lookup=Oracle(PROMPTS, free)))
+        got, _ = run(model, PROMPTS, config, batching(), speculation(6, lookup=Oracle(PROMPTS, free)))
         assert got == expected
     assert any(len(v) < 24 for v in expected.values()) or eos not in sum(expected.values(), [])
 
@@ -313,12 +311,12 @@ class Greedy:
 def sampled_joint(model, speculation, seed):
     """Frequencies of the first three new tokens [V, V, V] over SAMPLES requests of one prompt."""
     config = generation(max_new_tokens=3, **SAMPLING)
-    results, steps = run(model, [SAMPLE_PROMPT] * SAMPLES, config,
-                         batching(max_batch_tokens=512, seed=seed), speculation)
-    counts = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, SAMPLE_VOCAB)
+    results, counts = run(model, [SAMPLE_PROMPT] * SAMPLES, config,
+                          batching(max_batch_tokens=512, seed=seed), speculation)
+    frequencies = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, SAMPLE_VOCAB)
     for tokens in results.values():
-        counts[tuple(tokens)] += 1
-    return counts / SAMPLES, steps
+        frequencies[tuple(tokens)] += 1
+    return frequencies / SAMPLES, counts
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -331,9 +329,9 @@ def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypat
                                   minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
     if broken:      # accept every draft: a sampler without the acceptance test
         monkeypatch.setattr("hf_specdec.continuous_batching._accepted", lambda drafts, chosen: len(drafts))
-    joint, steps = sampled_joint(target, speculation(2, lookup=Greedy(exact)), seed=1)
+    joint, counts = sampled_joint(target, speculation(2, lookup=Greedy(exact)), seed=1)
     tv = 0.5 * (joint - exact).abs().sum()
-    accepted, drafted = sum(s.accepted for s in steps), sum(s.drafted for s in steps)
+    accepted, drafted = counts.accepted, counts.drafted
     assert drafted > SAMPLES / 2 and (broken or 0.2 * drafted < accepted < drafted)    # accepted and rejected
     assert (tv > 2 * max(null)) == broken, f"TV {tv:.4f}, null {max(null):.4f}"
 
@@ -357,8 +355,8 @@ def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
                 for method in (Method("plain"), Method("lookup:3", k=3))]
     finally:
         hf_specdec.disable(model)
-    assert type(managers[0]) is ContinuousBatchingManager and runs[0]["steps"] is None
-    assert isinstance(managers[1], SpecBatchingManager) and runs[1]["steps"]
+    assert type(managers[0]) is ContinuousBatchingManager and runs[0]["counts"] is None
+    assert isinstance(managers[1], SpecBatchingManager) and runs[1]["counts"].drafted
     assert {r: o.generated_tokens for r, o in runs[0]["results"].items()} == \
         {r: o.generated_tokens for r, o in runs[1]["results"].items()}
     row = bench.summary(runs[1], runs[0]["results"])
@@ -382,6 +380,6 @@ def test_blocks_are_hashed_only_over_tokens_in_the_cache(model, monkeypatch):
             if hashed > state.position_offset // allocator.tokens_per_page:
                 over.append((state.request_id, hashed, state.position_offset))
     monkeypatch.setattr(PagedAttentionCache, "mark_complete_blocks", checked)
-    got, steps = run(model, PROMPTS, config, cb, speculation(4, lookup=Oracle(PROMPTS, expected)))
-    assert got == expected and sum(s.drafted - s.accepted for s in steps) > 0
+    got, counts = run(model, PROMPTS, config, cb, speculation(4, lookup=Oracle(PROMPTS, expected)))
+    assert got == expected and counts.drafted > counts.accepted
     assert not over, over
