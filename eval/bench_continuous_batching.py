@@ -12,6 +12,8 @@ the manager API that `generate_batch` and `transformers serve` use. Methods, int
   lookup:k    ours after enable(): init_continuous_batching(prompt_lookup_num_tokens=k)
   draft       ours with the env's draft model (qwen-coder): init_continuous_batching(assistant_model=draft),
               the default policy ("auto")
+  generate    (--generate) our own generate() path, the same draft and policy, in static batches of
+              `concurrency` prompts (left-padded; a batch ends with its longest request)
 Per method and concurrency: tokens/s (median of rounds) and its ratio to plain per round, time to
 first token and time per output token (p50 / p99 over requests, from Transformers' per-token
 timestamps), forwards per generated token, drafts accepted, and requests identical to plain's.
@@ -23,6 +25,7 @@ import logging
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,34 +42,42 @@ from report import figure, method_bars  # noqa: E402
 logger = logging.getLogger("bench_continuous_batching")
 
 
-def serve(model, method: Method, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
-          cb_config: ContinuousBatchingConfig, draft=None) -> dict:
-    """One closed-loop run: request id -> GenerationOutput, seconds, and the speculating processor's
+def serve(model, method: Method, prompts: list[list[int]], config: GenerationConfig,
+          cb_config: ContinuousBatchingConfig, draft=None, concurrency: int | None = None,
+          arrivals: list[float] | None = None) -> dict:
+    """One run through a continuous batching manager: a closed loop of `concurrency` requests in
+    flight, or an open loop adding prompt i `arrivals[i]` seconds after the start. Returns request
+    id -> `Served`, the seconds from the start to the last result, and the speculating processor's
     counts (`SpecCounts`; None for plain)."""
+    if method.name == "generate":
+        return generate_batches(model, prompts, config, draft, concurrency)
     if method.name == "plain":
         manager = type(model).init_continuous_batching(model, config, cb_config)
     elif method.name == "draft":
         manager = model.init_continuous_batching(config, cb_config, assistant_model=draft)
     else:
         manager = model.init_continuous_batching(config, cb_config, prompt_lookup_num_tokens=method.k)
-    pending, results = list(enumerate(prompts)), {}
-
-    def submit():
-        i, prompt = pending.pop(0)
-        manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=config.max_new_tokens, record_timestamps=True)
+    pending, results, in_flight = list(enumerate(prompts)), {}, 0
     manager.start()
     start = time.perf_counter()
     try:
-        for _ in range(min(concurrency, len(pending))):
-            submit()
         while len(results) < len(prompts):
-            result = manager.get_result(timeout=600)
+            while pending and (in_flight < concurrency if arrivals is None
+                               else arrivals[pending[0][0]] <= time.perf_counter() - start):
+                i, prompt = pending.pop(0)
+                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=config.max_new_tokens,
+                                    record_timestamps=True)
+                in_flight += 1
+            wait = 600 if arrivals is None or not pending else \
+                max(0.0, arrivals[pending[0][0]] - (time.perf_counter() - start))
+            result = manager.get_result(timeout=max(wait, 1e-3))
+            if result is None and wait < 600:
+                continue                                     # the next arrival is due
             if result is None or result.error is not None:
                 raise RuntimeError(f"{method.name}: {result.error if result else 'no result in 600 s'}")
             if result.is_finished():
-                results[result.request_id] = result
-                if pending:
-                    submit()
+                results[result.request_id] = Served.of(result)
+                in_flight -= 1
         seconds = time.perf_counter() - start
         counts = getattr(manager.batch_processor, "counts", None)
     finally:
@@ -75,23 +86,60 @@ def serve(model, method: Method, prompts: list[list[int]], concurrency: int, con
     return {"results": results, "seconds": seconds, "counts": counts}
 
 
-def percentiles(values: list[float]) -> dict:
+@dataclass
+class Served:
+    """One request's output, and when its tokens came (None where the path does not say)."""
+    tokens: list[int]
+    ttft_s: float | None = None       # time to first token (from the request's arrival)
+    tpot_s: float | None = None       # time per output token after the first
+
+    @classmethod
+    def of(cls, output) -> "Served":
+        stamps = output.timestamps
+        return cls(tokens=list(output.generated_tokens), ttft_s=stamps[0] - output.created_time,
+                   tpot_s=(stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None)
+
+
+def generate_batches(model, prompts: list[list[int]], config: GenerationConfig, draft, batch: int) -> dict:
+    """Our own generate() path (`enable`d model, assistant_model=draft, policy auto) over the prompts
+    in batches of `batch` (left-padded), as `serve` returns it: what continuous batching is
+    compared with at the same batch size."""
+    results, start = {}, time.perf_counter()
+    pad = config.pad_token_id
+    for first in range(0, len(prompts), batch):
+        chunk = prompts[first:first + batch]
+        width = max(map(len, chunk))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        out = model.generate(input_ids, attention_mask=mask, generation_config=config, assistant_model=draft)
+        for i, row in enumerate(out[:, width:].tolist(), start=first):
+            ends = [j for j, t in enumerate(row) if t in _eos(config)]
+            results[f"r{i}"] = Served(tokens=row[:ends[0] + 1] if ends else row)
+    return {"results": results, "seconds": time.perf_counter() - start, "counts": None}
+
+
+def _eos(config: GenerationConfig) -> set[int]:
+    eos = config.eos_token_id
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
     values = sorted(values)
     return {"p50": statistics.median(values), "p99": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]}
 
 
 def summary(run: dict, reference: dict) -> dict:
     results = run["results"]
-    generated = sum(len(r.generated_tokens) for r in results.values())
-    ttft = [r.timestamps[0] - r.created_time for r in results.values()]
-    tpot = [(r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1) for r in results.values()
-            if len(r.timestamps) > 1]
-    row = {"tokens": generated, "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
-           "identical": sum(r.generated_tokens == reference[rid].generated_tokens for rid, r in results.items()),
+    row = {"tokens": sum(len(r.tokens) for r in results.values()),
+           "ttft_s": percentiles([r.ttft_s for r in results.values() if r.ttft_s is not None]),
+           "tpot_s": percentiles([r.tpot_s for r in results.values() if r.tpot_s is not None]),
+           "identical": sum(r.tokens == reference[rid].tokens for rid, r in results.items()),
            "requests": len(results)}
     if run["counts"] is not None:
         counts = run["counts"]
-        row.update(forwards_per_token=counts.steps / generated, drafted=counts.drafted, accepted=counts.accepted)
+        row.update(forwards_per_token=counts.steps / row["tokens"], drafted=counts.drafted, accepted=counts.accepted)
     return row
 
 
@@ -115,11 +163,16 @@ def markdown(payload: dict) -> str:
             spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
             fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
             lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
-                         f"{row['ttft_s']['p50']:.2f} / {row['ttft_s']['p99']:.2f} | "
-                         f"{row['tpot_s']['p50'] * 1e3:.0f} / {row['tpot_s']['p99'] * 1e3:.0f} ms | {fwd} | {spec} | "
-                         f"{row['identical']}/{row['requests']} |")
+                         f"{latencies(row)} | {fwd} | {spec} | {row['identical']}/{row['requests']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def latencies(row: dict) -> str:
+    """TTFT and TPOT p50 / p99 as two table cells ("-" where the path does not time tokens)."""
+    ttft, tpot = row["ttft_s"], row["tpot_s"]
+    return " | ".join(["-" if ttft is None else f"{ttft['p50']:.2f} / {ttft['p99']:.2f}",
+                       "-" if tpot is None else f"{tpot['p50'] * 1e3:.0f} / {tpot['p99'] * 1e3:.0f} ms"])
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -140,6 +193,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--lookup", type=ints, default=[3], help="prompt_lookup_num_tokens values")
     parser.add_argument("--no-draft", action="store_true", help="leave out the env's draft model")
+    parser.add_argument("--generate", action="store_true",
+                        help="also our generate() with the draft in batches of `concurrency` requests")
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--num-blocks", type=int, default=64, help="cache blocks of 256 tokens")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after a warm-up round")
@@ -154,7 +209,8 @@ def main(argv=None) -> None:
                               eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     hf_specdec.enable(model)
     methods = [Method("plain")] + [Method(f"lookup:{k}", k=k) for k in args.lookup] + \
-        ([Method("draft")] if env.draft is not None and not args.no_draft else [])
+        ([Method("draft")] if env.draft is not None and not args.no_draft else []) + \
+        ([Method("generate")] if env.draft is not None and args.generate else [])
     results = Results(Path(args.out), vars(args), markdown, plot)
     for concurrency in args.concurrency:
         if results.done({"concurrency": concurrency}):
@@ -163,7 +219,7 @@ def main(argv=None) -> None:
 
         def run(method):     # timed from the first request in to the last result out (not the manager's set-up)
             cb_config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
-            runs[method.name] = serve(model, method, prompts, concurrency, config, cb_config, env.draft)
+            runs[method.name] = serve(model, method, prompts, config, cb_config, env.draft, concurrency=concurrency)
             seconds[method.name].append(runs[method.name]["seconds"])
         interleaved(methods, run, args.rounds)
         ratios = speed({name: values[1:] for name, values in seconds.items()}, "plain")    # round 0: a warm-up

@@ -1,183 +1,139 @@
-"""Spec policies under a changing request rate on a real model, and the simulator checked against it.
+"""Speculation in Transformers' continuous batching under Poisson arrivals: plain against ours, on one request trace.
 
-    python eval/bench_serving.py --env qwen-coder --phases 30:0.05,30:0.6,30:0.05 --output-len 16,40 \
+    python eval/bench_serving.py --env qwen-coder-cpu --rates 0.02,1 --requests 6 --max-new-tokens 32 \
         --out docs/results/bench_serving/qwen-coder
 
-Continuous batching (`hf_specdec.serving.Engine`), --env smollm2: SmolLM2-135M-Instruct with
-prompt-lookup drafts on raw HumanEval prompts; --env qwen-coder: the real pair,
-Qwen2.5-Coder-1.5B-Instruct (eval/envs.py; --onednn: float32 on oneDNN linear layers) with the 0.5B
-as drafter, on HumanEval problems in the chat prompt. A phased Poisson stream (low / high / low rate)
-whose output lengths are drawn per request (EOS ignored, as in trace replays). Policies
-(eval/methods.py names): plain (fixed:0), fixed k, the default (auto), Nightjar and AdaSpec (given the
-profile measured here), each a fresh object on the same stream, in the harness's order. Then the simulator
-replays the same requests with latency models measured here (decode steps; prompt prefills apart)
-and, per policy, what the engine measured of its drafts: acceptance rate, how often a row found any
-(lookup matches), and seconds per draft token (a model drafter: its profiled latency model);
-simulated / measured throughput shows how far the simulator can be trusted. Each request's output is
-compared with the plain engine's (eval/identity.py: identical, first divergence at a near-tie of a
-bf16 target, or other, which fails the run).
-Writes <out>.json, <out>.md and <out>.png (rate, batch size and k over time per policy), stamped,
-after each policy.
+Per rate (requests/s): one Poisson trace of --requests HumanEval problems (the chat prompt; raw
+prompts for smollm2), each request added to the manager at its arrival time (an open loop: the
+requests in flight are what the rate and the service make them). A low rate leaves about one
+request at a time; a saturating one queues them all. Methods, interleaved per round
+(eval/harness.interleaved) on the same trace, each a fresh manager with the same
+ContinuousBatchingConfig (eval/bench_continuous_batching.serve):
+  plain       Transformers' own manager (`type(model).init_continuous_batching`, none of our code)
+  draft       ours after enable(): init_continuous_batching(assistant_model=draft), policy "auto"
+  lookup:k    ours, prompt lookup (--lookup)
+Per method and rate: tokens/s (generated tokens / seconds from the first arrival to the last
+result; median of rounds; at a low rate the arrivals set it) and its ratio to plain per round, time to first token and time per
+output token (p50 / p99 over requests, Transformers' per-token timestamps; TPOT is the speed a
+user sees at a low rate), forwards per token,
+drafts accepted, requests identical to plain's. The simulator of the same schedule is
+eval/bench_serving_sim.py. Writes <out>.json, .md and .png after each rate, stamped.
 """
 from __future__ import annotations
 
 import logging
-import statistics
+import random
 import sys
 from pathlib import Path
 
-import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_specdec
-from hf_specdec.costmodel import CostProfile, LatencyModel, profile, profile_prefill
-from hf_specdec.serving import Engine, Request, Simulator, phased
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_continuous_batching import latencies, serve, summary  # noqa: E402
 from envs import ENVS, humaneval_texts  # noqa: E402
-from harness import Results, arguments, check_identity, interleaved, ints, parse  # noqa: E402
-from identity import compare_tokens, counts  # noqa: E402
-from methods import Method, spec_policy  # noqa: E402
-from bench_serving_sim import plot_traces  # noqa: E402
+from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
+from methods import Method  # noqa: E402
+from report import figure, method_bars  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 
 
-def measured_acceptance(stats) -> float:
-    """P(a draft is accepted | the ones before it were): accepted / judged drafts."""
-    judged = sum(min(p, a + 1) for s in stats.steps if s.k for p, a in zip(s.proposed, s.accepted))
-    accepted = sum(sum(s.accepted) for s in stats.steps if s.k)
-    return accepted / judged if judged else 0.0
+def poisson_arrivals(rate: float, count: int, seed: int) -> list[float]:
+    """`count` arrival times (seconds) of a Poisson process of `rate` requests/s, the first at 0."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
 
 
-def measured_lookup(stats) -> tuple[float, float]:
-    """Of the engine's speculative steps: the fraction of row-steps with any draft (a lookup finds
-    no match in the others), and the drafting seconds per row and draft token."""
-    spec = [s for s in stats.steps if s.k]
-    row_steps = sum(s.batch_size for s in spec)
-    if not row_steps:
-        return 1.0, 0.0
-    return (sum(p > 0 for s in spec for p in s.proposed) / row_steps,
-            sum(s.draft_s for s in spec) / sum(s.batch_size * s.k for s in spec))
+def markdown(payload: dict) -> str:
+    args = payload["args"]
+    lines = [f"{args['env']}: {args['requests']} HumanEval prompts, at most {args['max_new_tokens']} new tokens each "
+             "(greedy, EOS ends a request), added at Poisson arrival times (seed "
+             f"{args['seed']}) to Transformers' continuous batching manager; plain: Transformers' own manager; draft: "
+             "ours, the draft model, policy auto; lookup:k: ours, prompt lookup. x plain: median [min, max] of "
+             f"per-round ratios over {args['rounds']} rounds, after a warm-up of each method on one short request. TTFT / TPOT: p50 / p99 over requests (seconds). Both managers: ContinuousBatchingConfig("
+             f"max_batch_tokens={args['max_batch_tokens']}, num_blocks={args['num_blocks']}). fwd/token: forwards per "
+             "generated token. identical: requests equal to plain's.", ""]
+    for cell in payload["cells"]:
+        lines += [f"**{cell['rate']} requests/s** (last arrival at {cell['last_arrival_s']:.0f} s)", "",
+                  "| method | tokens/s | x plain | TTFT p50 / p99 | TPOT p50 / p99 | TPOT p50 x plain | fwd/token | "
+                  "accepted / drafted | identical |",
+                  "|---|---:|---|---|---|---:|---:|---:|---:|"]
+        plain_tpot = cell["methods"]["plain"]["tpot_s"]["p50"]
+        for name, row in cell["methods"].items():
+            x = row["x_plain"]
+            spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
+            fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
+            lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
+                         f"{latencies(row)} | {plain_tpot / row['tpot_s']['p50']:.2f} | {fwd} | {spec} | "
+                         f"{row['identical']}/{row['requests']} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
-def lookup_profile(model, batch_sizes, context) -> CostProfile:
-    """Target latency model; prompt lookup drafts cost (almost) nothing."""
-    prof = profile(model, model, batch_sizes, (1, 3, 5), (context, 2 * context), (1, 4), repeats=2)
-    return CostProfile(prof.target, LatencyModel(0.0, 0.0, 0.0), prof.switch, prof.meta)
+def plot(payload: dict, path: Path) -> None:
+    cells = [{"batch": c["rate"], "methods": c["methods"]} for c in payload["cells"]]
+    with figure(path) as axes:
+        ax = axes[0][0]
+        method_bars(ax, cells, lambda row: row["x_plain"]["x"], lambda row: [row["x_plain"]["x_min"], row["x_plain"]["x_max"]],
+                    ylabel="tokens/s vs Transformers' plain continuous batching")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("arrival rate (requests/s)")
 
 
-def policies(args) -> list[Method]:
-    """plain (k = 0), each fixed k, the default, then Nightjar and AdaSpec up to --max-len."""
-    return [Method("plain", "fixed", k=0), *(Method(f"fixed:{k}", "fixed", k=k) for k in args.fixed),
-            Method("auto", "auto"), Method("nightjar", "nightjar", k=args.max_len),
-            Method("adaspec", "adaspec", k=args.max_len)]
-
-
-def main(argv=None):
+def main(argv=None) -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--phases", default="15:0.3,15:3,15:0.3", help="duration:rate,... (s, requests/s)")
-    parser.add_argument("--output-len", default="16,48")
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--fixed", default="1,2,3", help="fixed draft lengths to compare")
-    parser.add_argument("--max-len", type=int, default=4)
-    parser.add_argument("--slo-tpot", type=float, default=0.3)
+    parser.add_argument("--env", default="smollm2", choices=["smollm2", "qwen-coder", "qwen-coder-cpu"])
+    parser.add_argument("--rates", default="0.05,2", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lookup", type=ints, default=[], help="prompt_lookup_num_tokens values")
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--num-blocks", type=int, default=64, help="cache blocks of 256 tokens")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--env", choices=("smollm2", "qwen-coder"), default="smollm2")
-    parser.add_argument("--onednn", action="store_true",
-                        help="qwen-coder: float32 on oneDNN linear layers (CPUs without bf16 matrix instructions)")
-    parser.add_argument("--out", default="results/serving_smollm2")
+    parser.add_argument("--out", required=True)
     args = parse(parser, argv)
-    args.fixed = ints(args.fixed)
+    env = ENVS[args.env]()
+    model, tokenizer = env.model, env.tokenizer
+    style = "raw" if args.env == "smollm2" else "chat"
+    prompts = [tokenizer(text, add_special_tokens=style == "raw").input_ids
+               for text in humaneval_texts(tokenizer, style, limit=args.requests)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
+                              eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    hf_specdec.enable(model)
+    methods = [Method("plain")] + ([Method("draft")] if env.draft is not None else []) + \
+        [Method(f"lookup:{k}", k=k) for k in args.lookup]
+    results = Results(Path(args.out), vars(args), markdown, plot)
+    for method in methods:      # a warm-up of each path (first-call costs), one short request
+        serve(model, method, prompts[:1], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4}),
+              ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks),
+              env.draft, concurrency=1)
+    for rate in [float(r) for r in args.rates.split(",")]:
+        if results.done({"rate": rate}):
+            continue
+        arrivals = poisson_arrivals(rate, len(prompts), args.seed)
+        runs, seconds = {}, {m.name: [] for m in methods}
 
-    env = ENVS["qwen-coder-onednn" if args.env == "qwen-coder" and args.onednn else args.env]()
-    model, tokenizer, draft = env.model, env.tokenizer, env.draft
-    if draft is not None:
-        make_drafter = lambda: hf_specdec.ModelDrafter(draft, name="qwen-0.5b")  # noqa: E731
-        problems = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in humaneval_texts(tokenizer, "chat", 32)]
-    else:
-        make_drafter = hf_specdec.PromptLookupDrafter
-        problems = [tokenizer(t)["input_ids"] for t in humaneval_texts(tokenizer, "raw")]
-    phases = [tuple(float(x) for x in p.split(":")) for p in args.phases.split(",")]
-    lo, hi = ints(args.output_len)
-    stream = phased(phases, prompt_len=1, output_len=(lo, hi), seed=args.seed)
-    prompts = [problems[r.id % len(problems)] for r in stream]
-    requests = [Request(r.id, r.arrival, len(p), r.output_len) for r, p in zip(stream, prompts)]
-    longest = max(len(p) for p in prompts)
-    logger.info("%d requests, prompts of %d..%d tokens", len(requests), min(map(len, prompts)), longest)
-
-    sizes = [b for b in (1, 2, 4, 8, 16) if b <= args.max_batch]
-    prof = lookup_profile(model, sizes, 128) if draft is None else \
-        profile(model, draft, sizes, (1, 3, 5), (longest, 2 * longest), (1, 4), repeats=2)
-    prefill = profile_prefill(model, lengths=sorted({16, longest // 4, longest // 2, longest}))
-    Engine(model, [make_drafter()], hf_specdec.FixedLength(2), max_batch=args.max_batch,
-           max_prompt_len=longest).run(requests[:2], prompts[:2])          # warm-up
-    results = Results(Path(args.out), vars(args), markdown, lambda payload, path: plot_traces(
-        path, phases, {c["policy"]: c["steps"] for c in payload["cells"]}),
-                      resume=False)      # each policy's outputs are checked against plain's of the same run
-    results.payload.update(title=env.title, requests=len(requests), profile={"target": vars(prof.target), "prefill": vars(prefill)})
-    plain_outputs = {}
-
-    def run(method) -> None:
-        policy = lambda: spec_policy(method.policy, method.k, prof)  # noqa: E731 - a fresh object per run
-        engine = Engine(model, [make_drafter()], policy(), max_batch=args.max_batch, max_prompt_len=longest)
-        with torch.inference_mode():
-            served = engine.run(requests, prompts)
-        alpha = measured_acceptance(engine.stats)
-        proposal_rate, draft_per_token = measured_lookup(engine.stats)
-        if draft is None:   # lookup: drafts cost what was measured, and are certain when found
-            calibrated, confidence = CostProfile(prof.target, LatencyModel(0.0, draft_per_token, 0.0), prof.switch,
-                                                 prof.meta), 1.0
-        else:
-            calibrated, confidence = prof, None
-        sim = Simulator(calibrated, policy(), acceptance=alpha, max_batch=args.max_batch, seed=args.seed,
-                        prefill=prefill, proposal_rate=proposal_rate, confidence=confidence).run(requests)
-        if not plain_outputs:           # plain runs first
-            plain_outputs.update(served.outputs)
-        verdicts = [compare_tokens(model, p, plain_outputs[r.id], served.outputs[r.id]) for r, p in zip(requests, prompts)]
-        real, simulated = served.summary(args.slo_tpot), sim.summary(args.slo_tpot)
-        results.add({"policy": method.name, "engine": real, "simulator": simulated, "identity": counts(verdicts),
-                     "acceptance": round(alpha, 3), "proposal_rate": round(proposal_rate, 3),
-                     "draft_s_per_token": draft_per_token,
-                     "sim_over_real": round(simulated["tokens_per_s"] / real["tokens_per_s"], 3),
-                     "steps": [(round(s.time, 3), s.batch_size, s.k) for s in served.steps],
-                     "mean_k_by_batch": k_by_batch(served.steps)})
-        logger.info("%s: engine %.1f tok/s, simulator %.1f tok/s (acceptance %.2f), mean k %.2f", method.name,
-                    real["tokens_per_s"], simulated["tokens_per_s"], alpha, real["mean_k"])
-    interleaved(policies(args), run, rounds=1, warmup=False)      # plain first: the others are checked against it
-    print(markdown(results.payload))
-    check_identity({c["policy"]: c for c in results.cells}, "the plain engine's")
-
-
-def k_by_batch(steps) -> dict[int, float]:
-    groups: dict[int, list[int]] = {}
-    for s in steps:
-        groups.setdefault(s.batch_size, []).append(s.k)
-    return {b: round(statistics.fmean(ks), 2) for b, ks in sorted(groups.items())}
-
-
-def markdown(payload) -> str:
-    args, cells = payload["args"], payload["cells"]
-    setup = payload["title"] + (", 0.5B drafts" if args["env"] == "qwen-coder" else ", prompt lookup drafts")
-    lines = [f"# Serving, {setup}: phased stream {args['phases']} ({payload['requests']} requests), max batch "
-             f"{args['max_batch']}\n",
-             "identity: requests identical to the plain engine's output / first differing at a near-tie of the "
-             "target's dtype / otherwise.\n",
-             f"| policy | tokens/s | mean / p90 latency s | mean TPOT ms | SLO {args['slo_tpot'] * 1000:.0f} ms | "
-             "mean k | acceptance | rows drafting | simulated tokens/s | sim / real | identity |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in cells:
-        e = r["engine"]
-        lines.append(f"| {r['policy']} | {e['tokens_per_s']:.1f} | {e['mean_latency_s']:.1f} / {e['p90_latency_s']:.1f} | "
-                     f"{e['mean_tpot_s'] * 1000:.0f} | {e['slo_attainment']:.2f} | {e['mean_k']:.2f} | "
-                     f"{r['acceptance']:.2f} | {r['proposal_rate']:.2f} | {r['simulator']['tokens_per_s']:.1f} | "
-                     f"{r['sim_over_real']:.2f} | {'/'.join(str(v) for v in r['identity'].values())} |")
-    lines += ["", "Mean k by running batch size:", ""]
-    sizes = sorted({int(b) for r in cells for b in r["mean_k_by_batch"]})
-    lines += ["| policy | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for r in cells:
-        d = {int(b): k for b, k in r["mean_k_by_batch"].items()}
-        lines.append(f"| {r['policy']} | " + " | ".join(f"{d[b]:.2f}" if b in d else "" for b in sizes) + " |")
-    return "\n".join(lines) + "\n"
+        def run(method):
+            cb_config = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks)
+            runs[method.name] = serve(model, method, prompts, config, cb_config, env.draft, arrivals=arrivals)
+            seconds[method.name].append(runs[method.name]["seconds"])
+        interleaved(methods, run, args.rounds, warmup=False)
+        ratios = speed(seconds, "plain")
+        rows = {}
+        for method in methods:
+            row = summary(runs[method.name], runs["plain"]["results"])
+            row["tokens_per_s"] = row["tokens"] / ratios[method.name]["seconds"]
+            row["x_plain"] = ratios[method.name]
+            rows[method.name] = row
+            logger.info("rate %g %s: %.2f tok/s, %.2fx plain, %d/%d identical", rate, method.name,
+                        row["tokens_per_s"], row["x_plain"]["x"], row["identical"], row["requests"])
+        logger.info("wrote %s", results.add({"rate": rate, "last_arrival_s": arrivals[-1], "methods": rows}))
 
 
 if __name__ == "__main__":

@@ -284,8 +284,8 @@ class CachedModel:
         """Take `other`'s rows (new requests, prefilled on their own) after this one's; the side
         with fewer slots gets hole slots on the left, so every row keeps its own positions."""
         if self.static or other.static:
-            raise ValueError("cache_implementation='static' is not supported by the serving engine (rows joining "
-                             "a running batch); use the default cache")
+            raise ValueError("cache_implementation='static' cannot take rows joining a running batch; use the "
+                             "default cache")
         self.slots.append(other.slots)
         self.num_real = self.num_real.cat(other.num_real)
         self.fed = self.fed.cat(other.fed)

@@ -84,8 +84,7 @@ class StepOutcome:
 
 
 class DecodingLoop:
-    """`begin`, then `step` while rows are active (`run` does both for generate()); a serving
-    engine also joins new requests between steps (`serving.engine.join`). The loop owns
+    """`begin`, then `step` while rows are active (`run` does both for generate()). The loop owns
     `batch.active`; rows leave it when they finish (`retire_finished`).
 
     model: the target; stops: each row's limit and stopping criteria; streamer: gets completed
@@ -299,7 +298,7 @@ class DecodingLoop:
         kept = RowInts(index[:len(keep)], keep)
         batch.clear_scratch(index[len(keep):])    # finished rows read as generate()'s: pad past the end
         batch.active = rows[kept]
-        self.target.select_rows(kept)        # even to no rows: the engine may append joiners next
+        self.target.select_rows(kept)        # even to no rows
         for drafter in self.drafters:
             drafter.select_rows(kept)
         return kept

@@ -92,21 +92,6 @@ class SequenceBatch:
         past_end = torch.arange(self.capacity, device=rows.device)[None, :] >= self.lengths.tensor[rows, None]
         self.tokens[rows] = self.tokens[rows].masked_fill(past_end, self.pad_token_id)
 
-    def refill(self, rows: RowInts, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> None:
-        """Start new prompts [m, p] (p <= prompt_len) in rows that are not active (continuous
-        batching reuses finished rows): left-padded to prompt_len, as if they had been there."""
-        width = input_ids.shape[1]
-        if width > self.prompt_len:
-            raise ValueError(f"a prompt of {width} tokens does not fit rows of {self.prompt_len}")
-        index = rows.tensor
-        self.tokens[index] = self.pad_token_id
-        self.tokens[index, self.prompt_len - width: self.prompt_len] = input_ids
-        self.prompt_mask[index] = False
-        self.prompt_mask[index, self.prompt_len - width:] = attention_mask.bool()
-        real_start = self.prompt_len - self.prompt_mask[index].sum(1)
-        self.real_starts[rows] = RowInts(real_start, real_start.tolist())
-        self.lengths[rows] = self.prompt_len
-
     def output(self) -> torch.LongTensor:
         """[batch, prompt_len + longest row's new tokens], rows ended early padded as generate() does."""
         return self.tokens[:, : int(self.lengths.tensor.max())].clone()

@@ -31,10 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, transformers_args: list[str]) -> None:
     """Serve until stopped; `transformers_args` go to `transformers serve`."""
+    refused = [flag for flag in ("--no-continuous-batching", "--compile", "--cb-use-cuda-graph")
+               if flag in transformers_args]
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: speculation runs in the server's continuous batching, synchronous, "
+                         "without CUDA graphs or compilation")
     if "--continuous-batching" not in transformers_args:
         transformers_args = ["--continuous-batching", *transformers_args]
-    if "--no-continuous-batching" in transformers_args:
-        raise ValueError("--no-continuous-batching: speculation runs in the server's continuous batching")
     hook = functools.partial(speculate, draft=args.draft, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                              max_matching_ngram_size=args.max_matching_ngram_size, spec_policy=args.spec_policy)
     with _compat.serve_loads(hook):

@@ -40,10 +40,6 @@ class StopJudge:
         """Tokens each of `rows` [n] may still emit, at `lengths` [n]."""
         return self.limit[rows] - lengths
 
-    def join(self, rows: RowInts, limits: RowInts) -> None:
-        """New requests start in `rows` [m] and stop at `limits` [m] at the latest."""
-        self.limit[rows], self.stopped_at[rows] = limits, -1
-
     def done(self, row: int, length: int) -> bool:
         """Whether a row at `length` has finished (its limit, or its stop where rows freeze there)."""
         return length >= self.limit.host[row] or (self.freeze_finished and self.stopped_at.host[row] >= 0)

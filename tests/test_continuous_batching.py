@@ -1,6 +1,8 @@
 """Speculation inside Transformers' continuous batching: per request, the output of plain
 `generate_batch` (Transformers' own), whatever the drafts, the blocks, the token budget, EOS,
 cancellation and prefix sharing; and no block leaked."""
+import copy
+
 import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -130,7 +132,6 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     """The draft model follows requests as they join, prefill in chunks, draft, are cut by the token
     budget and finish: per request, plain output. A copy of the target has every draft accepted
     (its cache follows each request exactly); a noisy copy has drafts rejected in every request."""
-    import copy
     from hf_specdec.testing import noisy_copy
     config, cb = generation(max_new_tokens=20), batching(max_batch_tokens=max_batch_tokens)
     expected = plain(model, PROMPTS, config, cb)
@@ -186,7 +187,6 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
 def test_streaming_delivers_accepted_tokens_as_they_come(model):
     """streaming=True: each delivery a prefix of the final output, which is plain; a step that
     accepts drafts delivers them together."""
-    import copy
     config, cb = generation(max_new_tokens=20), batching()
     expected = plain(model, PROMPTS, config, cb)
     manager = SpecBatchingManager(model, config, cb, speculation=speculation(4, draft_model=copy.deepcopy(model)))
@@ -351,14 +351,19 @@ def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
     monkeypatch.setattr(ContinuousBatchingManager, "start", lambda self: (managers.append(self), original(self))[1])
     hf_specdec.enable(model)
     try:
-        runs = [bench.serve(model, method, PROMPTS, 2, generation(), batching())
+        runs = [bench.serve(model, method, PROMPTS, generation(), batching(), concurrency=2)
                 for method in (Method("plain"), Method("lookup:3", k=3))]
+        arrivals = bench.serve(model, Method("lookup:3", k=3), PROMPTS, generation(), batching(),
+                               arrivals=[0.0, 0.0, 0.05, 0.1, 0.1, 0.2])    # the open loop: the same outputs
+        ours = bench.serve(model, Method("generate"), PROMPTS, generation(), batching(), draft=copy.deepcopy(model),
+                           concurrency=4)       # our generate() in batches of 4 (left-padded): the same outputs
     finally:
         hf_specdec.disable(model)
     assert type(managers[0]) is ContinuousBatchingManager and runs[0]["counts"] is None
     assert isinstance(managers[1], SpecBatchingManager) and runs[1]["counts"].drafted
-    assert {r: o.generated_tokens for r, o in runs[0]["results"].items()} == \
-        {r: o.generated_tokens for r, o in runs[1]["results"].items()}
+    assert {r: o.tokens for r, o in runs[0]["results"].items()} == \
+        {r: o.tokens for r, o in runs[1]["results"].items()} == {r: o.tokens for r, o in arrivals["results"].items()} \
+        == {r: o.tokens for r, o in ours["results"].items()}
     row = bench.summary(runs[1], runs[0]["results"])
     assert row["identical"] == len(PROMPTS) and row["drafted"] > 0
 
@@ -383,3 +388,23 @@ def test_blocks_are_hashed_only_over_tokens_in_the_cache(model, monkeypatch):
     got, counts = run(model, PROMPTS, config, cb, speculation(4, lookup=Oracle(PROMPTS, expected)))
     assert got == expected and counts.drafted > counts.accepted
     assert not over, over
+
+
+def test_serve_speculates_with_the_draft_once_loaded_and_checks_its_arguments_first(model):
+    """`python -m hf_specdec serve`'s hook on the loaded model (tests/test_serve.py runs the server):
+    a bad argument fails before the model is changed; then each manager the server makes speculates."""
+    import argparse
+    from hf_specdec import serve
+    target = build("llama", layers=2)
+    with pytest.raises(ValueError, match="spec_policy"):
+        serve.speculate(target, lambda name: copy.deepcopy(target), draft="copy", spec_policy="no-such-policy")
+    assert target.init_continuous_batching.__func__ is type(target).init_continuous_batching    # untouched
+    serve.speculate(target, lambda name: copy.deepcopy(target), draft="copy")
+    manager = target.init_continuous_batching(generation(), batching())
+    assert isinstance(manager, SpecBatchingManager) and manager.speculation.draft_model is not None
+    hf_specdec.disable(target)
+    assert type(target.init_continuous_batching(generation(), batching())) is not SpecBatchingManager
+    args = argparse.Namespace(model="m", draft="d", prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
+                              spec_policy=None)
+    with pytest.raises(ValueError, match="--compile"):
+        serve.run(args, ["--port", "8000", "--compile"])

@@ -120,8 +120,7 @@ def test_criteria_that_read_more_than_tokens_are_rank_zeros(agreed):
 @pytest.mark.parametrize("name, words", [("bad: vocabulary", "vocabulary size"),
                                          ("bad: sharded logits", "output head is not gathered"),
                                          ("bad: offload", "draft_offload"),
-                                         ("bad: inputs", "input_ids differ"),
-                                         ("bad: engine", "serving engine runs one process")])
+                                         ("bad: inputs", "input_ids differ")])
 def test_bad_setups_fail_clearly_on_every_rank(agreed, name, words):
     """The same ValueError on both ranks, and the job goes on (no rank left waiting)."""
     errors = [results[name].get("error", "") for results in agreed]

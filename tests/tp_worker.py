@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM, DistributedConfig, StoppingCriter
 import hf_specdec
 import hf_specdec.distributed
 from hf_specdec.policies import FixedLength, Nightjar, SpecPolicy
-from hf_specdec.serving import Engine
 
 args = argparse.ArgumentParser()
 args.add_argument("--models", required=True)
@@ -116,7 +115,6 @@ if args.job == "agree":
     record("bad: sharded logits", lambda: spec(target, [head_sharded], "fixed:3", ids, mask, **GREEDY))
     record("bad: offload", lambda: spec(target, [near], "fixed:3", ids, mask, draft_offload=True, **GREEDY))
     record("bad: inputs", lambda: spec(target, [near], "fixed:3", ids + rank, mask, **GREEDY))
-    record("bad: engine", lambda: Engine(target, [near]))
 
     # sampling distribution: the first two new tokens of one prompt, many seeded rows
     small, small_draft = tp("small"), load("small_draft")

@@ -41,14 +41,12 @@ class Drafter:
     A drafter that is not chosen for a step does nothing and simply lags behind.
 
     What a drafter can do beyond proposing is declared, not detected:
-    `scorable`: it implements `replay` (full-information feedback for drafter selection);
-    `joinable`: it implements `add_rows` (requests joining a running batch).
+    `scorable`: it implements `replay` (full-information feedback for drafter selection).
     """
 
     name: str = "drafter"
     vocab_size: int | None = None  # None: proposes token ids only (any vocabulary size)
     scorable: bool = False
-    joinable: bool = False
 
     def begin(self, batch: SequenceBatch, sampler: TokenSampler) -> None:
         self.sampler = sampler
@@ -95,7 +93,7 @@ class Drafter:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
     def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
-        """New requests join (continuous batching, `joinable` drafters): `batch.active` are the
+        """New requests join (continuous batching's draft model, `ModelDrafts`): `batch.active` are the
         joining rows only (their prompt and first token written), and they follow the running rows
         from now on. With `prefill`, feed them now."""
         raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-run")
@@ -105,10 +103,7 @@ class LookupDrafter(Drafter):
     """A model-free drafter: a deterministic continuation of each row's tokens (q = point mass).
     Subclasses define `continuation`; rows without one propose nothing."""
 
-    scorable = joinable = True
-
-    def add_rows(self, batch, prefill):
-        pass              # it reads each row's tokens afresh at every proposal
+    scorable = True
 
     def continuation(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         """Up to k tokens [<= k] to follow the row's tokens `seq` [length] (no padding, on the host)."""

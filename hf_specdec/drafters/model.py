@@ -64,7 +64,7 @@ def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, continue_
 
 
 class ModelDrafter(Drafter):
-    scorable = joinable = True
+    scorable = True
 
     def __init__(self, model: torch.nn.Module, name: str | None = None):
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):

@@ -20,9 +20,6 @@ class _PerRowBandit(DrafterSelector):
         self.num_drafters = ctx.num_drafters
         self.state = {row: self._new_state(ctx.num_drafters) for row in ctx.rows}
 
-    def join(self, rows: list[int]) -> None:
-        self.state.update({row: self._new_state(self.num_drafters) for row in rows})
-
     def choose(self, ctx: StepContext) -> list[int]:
         return [self._choose(self.state[row]) for row in ctx.rows]
 

@@ -75,9 +75,6 @@ class DrafterSelector:
         """One drafter for every row, or one per active row (in ctx.rows order)."""
         raise NotImplementedError
 
-    def join(self, rows: list[int]) -> None:
-        """Rows (batch indices) start new requests mid-run (continuous batching): forget them."""
-
     prompt_positions = 0   # > 0: score the drafters on this many last prompt positions first
 
     def prime(self, gammas: dict[int, list[list[float]]]) -> None:

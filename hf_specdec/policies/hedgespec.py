@@ -80,11 +80,6 @@ class HedgeSpec(DrafterSelector):
         self.queues: dict[int, DelayedFeedback] = {}
         self.trace = []
 
-    def join(self, rows: list[int]) -> None:
-        for row in rows:
-            self.learners[row] = LEARNERS[self.learner_name](self.num_drafters)
-            self.queues.pop(row, None)
-
     def prime(self, gammas: dict[int, list[list[float]]]) -> None:
         """Acceptance-probability losses on the last prompt positions: the first choice is informed."""
         depth = self.depth or self.last_k or _DEFAULT_DEPTH

@@ -1,8 +1,8 @@
-"""Serving under dynamic load: request streams, a continuous-batching engine on a real model, and
-a latency-model simulator of the same schedule."""
-from .engine import Engine
+"""Serving under dynamic load: request streams and a latency-model simulator of a
+continuous-batching schedule (the policies' testbed; `eval/bench_serving_sim.py`). Speculation in
+Transformers' own continuous batching: `hf_specdec.continuous_batching`."""
 from .simulator import MemoryModel, RelativeCosts, RequestResult, RunResult, RunStep, Simulator
 from .workload import Request, load_trace, phased, poisson
 
-__all__ = ["Request", "poisson", "phased", "load_trace", "Engine", "Simulator", "MemoryModel", "RunResult", "RunStep",
+__all__ = ["Request", "poisson", "phased", "load_trace", "Simulator", "MemoryModel", "RunResult", "RunStep",
            "RequestResult", "RelativeCosts"]

@@ -269,8 +269,8 @@ class Simulator:
         return self.run(requests, draft_prefill=False)
 
     def run(self, requests: list[Request], draft_prefill: bool = True) -> RunResult:
-        """Serve `requests` as they arrive; draft_prefill: the draft prefills joining prompts (a
-        serving engine), else its first drafts catch them up (generate())."""
+        """Serve `requests` as they arrive; draft_prefill: the draft prefills joining prompts (as
+        continuous batching's draft model does), else its first drafts catch them up (generate())."""
         costs = self.costs
         waiting = sorted(requests, key=lambda r: r.arrival)
         running: list[_Row] = []
