@@ -8,7 +8,8 @@ once over the paged cache, and Transformers' processors and sampler pick a token
 last position. `SpecBatchProcessor` adds the step protocol around it:
   plan     the policy's k from the decoding requests (`SpecPolicy.choose`), cut per request to its
            room and to the batch's spare logit rows (`_propose`);
-  draft    the drafter proposes from the request's tokens; the pending token + drafts become the
+  draft    the drafter proposes from the request's tokens (a confidence-weighing policy, AdaSpec,
+           may stop a request's drafting early and trim its drafts); the pending token + drafts become the
            request's query, scheduled as Transformers schedules any query (a token budget cuts the
            drafts, as it cuts a prefill chunk);
   verify   the same packed forward, with logits at each of a speculating request's positions
@@ -112,10 +113,7 @@ def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, ma
     drafters, policy = check_spec_args(model, drafters, policy if spec_policy is None else spec_policy)
     speculation = Speculation(policy=policy, lookup=drafters[0]) if assistant_model is None else \
         Speculation(policy=policy, draft_model=assistant_model)
-    if policy.continue_drafting is not None or policy.length.verify_lengths is not None:
-        raise ValueError(f"spec_policy {policy.length!r} weighs each draft's confidence, which continuous batching's "
-                         "drafters do not give yet; use 'auto', 'fixed:k', 'nightjar', 'measured' or 'dsd'")
-    ensure_profile(policy, model, drafters, batch_size=8)      # a profiled policy's (DSD): measured once per target
+    ensure_profile(policy, model, drafters, batch_size=8)      # a profiled policy's (DSD, AdaSpec): measured once
     return speculation
 
 
@@ -197,12 +195,15 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             budget -= ks[-1]
         if decoding:
             self._plan = (ctx, k, max(ks), decoding)
-        start = timing.now()
+        start, policy = timing.now(), self.speculation.policy
         self._drafts = {}
-        for state, drafts in zip(decoding, self.drafter.propose(decoding, ks)):
-            state.tokens_to_process = [state.generated_tokens[-1], *drafts]
-            if drafts:
-                self._drafts[state.request_id] = drafts
+        proposed = self.drafter.propose(decoding, ks, policy.continue_drafting)
+        lengths = [len(d.tokens) for d in proposed]
+        kept = policy.trim(lengths, [d.confidences for d in proposed]) if any(lengths) else lengths
+        for state, drafts, n in zip(decoding, proposed, kept):
+            state.tokens_to_process = [state.generated_tokens[-1], *drafts.tokens[:n]]
+            if n:
+                self._drafts[state.request_id] = drafts.tokens[:n]
         self._draft_s = timing.now() - start
         self.scheduler.max_requests_per_batch = limit - sum(map(len, self._drafts.values()))
 

@@ -12,6 +12,8 @@ kind, and needs nothing of the paged cache's scheduler (a draft forward is alway
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.generation.continuous_batching.requests import RequestState
 
@@ -21,15 +23,24 @@ from .sampling import TokenSampler
 from .sequences import SequenceBatch
 
 
+@dataclass
+class Drafts:
+    """One request's drafts for a step, and the drafter's confidence in each (what AdaSpec weighs)."""
+    tokens: list[int]
+    confidences: list[float]
+
+
 class LookupDrafts:
     """Drafts from each request's own tokens (prompt lookup: `PromptLookupDrafter`)."""
 
     def __init__(self, lookup):
         self.lookup = lookup
 
-    def propose(self, states: list[RequestState], ks: list[int]) -> list[list[int]]:
-        return [self.lookup.continuation(torch.tensor(s.initial_tokens + s.generated_tokens), k).tolist() if k > 0
-                else [] for s, k in zip(states, ks)]
+    def propose(self, states: list[RequestState], ks: list[int], continue_drafting=None) -> list[Drafts]:
+        """Each request's drafts (up to its k), certain (confidence 1.0): a lookup has no doubt to weigh."""
+        drafts = [self.lookup.continuation(torch.tensor(s.initial_tokens + s.generated_tokens), k).tolist() if k > 0
+                  else [] for s, k in zip(states, ks)]
+        return [Drafts(tokens=d, confidences=[1.0] * len(d)) for d in drafts]
 
     def accepted(self, counts: dict[str, int]) -> None:
         pass
@@ -51,18 +62,25 @@ class ModelDrafts:
         self.owners: list[str | None] = []        # row -> its request's id (None: free)
         self.proposed = False
 
-    def propose(self, states: list[RequestState], ks: list[int]) -> list[list[int]]:
+    def propose(self, states: list[RequestState], ks: list[int], continue_drafting=None) -> list[Drafts]:
+        """Each request's drafts (up to its k) and their confidences (the draft model's probability of
+        each); `continue_drafting` (a length policy's, as in `Drafter.propose`) may stop rows early."""
         self._follow(states)
         k = max(ks, default=0)
         self.proposed = k > 0
         if not self.proposed:
-            return [[] for _ in states]
+            return [Drafts(tokens=[], confidences=[]) for _ in states]
         self.batch.reserve(k + 1)                # the drafts are written at each row's end
-        proposal = self.drafter.propose(self.batch, k)
+        proposal = self.drafter.propose(self.batch, k, continue_drafting)
         tokens, counts = proposal.tokens.tolist(), proposal.counts.tolist()
+        confidences = proposal.confidence.tolist() if proposal.confidence is not None else \
+            [[1.0] * len(row) for row in tokens]
         position = {self.owners[row]: i for i, row in enumerate(self.batch.active.host)}
-        return [tokens[position[s.request_id]][:min(k_i, counts[position[s.request_id]])]
-                for s, k_i in zip(states, ks)]
+        out = []
+        for state, k_i in zip(states, ks):
+            row, n = position[state.request_id], min(k_i, counts[position[state.request_id]])
+            out.append(Drafts(tokens=tokens[row][:n], confidences=confidences[row][:n]))
+        return out
 
     def accepted(self, counts: dict[str, int]) -> None:
         """counts: drafts each request kept (requests not in it: none)."""

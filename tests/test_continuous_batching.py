@@ -150,9 +150,10 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
 
 
-@pytest.mark.parametrize("policy", [None, "nightjar", "dsd"])
+@pytest.mark.parametrize("policy", [None, "nightjar", "dsd", "adaspec"])
 def test_the_policies_by_name_through_generate_batch(model, policy):
-    """"auto" by default with a draft model, Nightjar and DSD by name: plain output."""
+    """"auto" by default with a draft model, Nightjar, DSD and AdaSpec (which weighs the draft
+    model's confidences: stops drafting, trims) by name: plain output."""
     from hf_specdec.testing import noisy_copy
     config, cb = generation(), batching()
     expected = plain(model, PROMPTS, config, cb)
