@@ -155,17 +155,25 @@ def markdown(payload: dict) -> str:
              "cache and masks to match). fwd/token: forwards per generated token. identical: requests equal to plain's.",
              ""]
     for cell in payload["cells"]:
-        lines += [f"**concurrency {cell['concurrency']}**", "",
-                  "| method | tokens/s | x plain | TTFT p50 / p99 | TPOT p50 / p99 | fwd/token | accepted / drafted | identical |",
-                  "|---|---:|---|---|---|---:|---:|---:|"]
-        for name, row in cell["methods"].items():
-            x = row["x_plain"]
-            spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
-            fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
-            lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
-                         f"{latencies(row)} | {fwd} | {spec} | {row['identical']}/{row['requests']} |")
-        lines.append("")
+        lines += [f"**concurrency {cell['concurrency']}**", "", *method_table(cell["methods"])]
     return "\n".join(lines)
+
+
+def method_table(methods: dict, tpot_x_plain: bool = False) -> list[str]:
+    """One cell's markdown table: per method tokens/s, x plain, TTFT and TPOT, (TPOT p50 as x
+    plain's), forwards per token, drafts accepted, requests identical to plain's."""
+    lines = ["| method | tokens/s | x plain | TTFT p50 / p99 | TPOT p50 / p99 |" + (" TPOT p50 x plain |" if tpot_x_plain else "")
+             + " fwd/token | accepted / drafted | identical |",
+             "|---|---:|---|---|---|" + ("---:|" if tpot_x_plain else "") + "---:|---:|---:|"]
+    plain_tpot = methods["plain"]["tpot_s"]
+    for name, row in methods.items():
+        x = row["x_plain"]
+        spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
+        fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
+        tpot_x = f" {plain_tpot['p50'] / row['tpot_s']['p50']:.2f} |" if tpot_x_plain else ""
+        lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
+                     f"{latencies(row)} |{tpot_x} {fwd} | {spec} | {row['identical']}/{row['requests']} |")
+    return lines + [""]
 
 
 def latencies(row: dict) -> str:
@@ -175,14 +183,15 @@ def latencies(row: dict) -> str:
                        "-" if tpot is None else f"{tpot['p50'] * 1e3:.0f} / {tpot['p99'] * 1e3:.0f} ms"])
 
 
-def plot(payload: dict, path: Path) -> None:
-    cells = [{"batch": c["concurrency"], "methods": c["methods"]} for c in payload["cells"]]
+def plot(payload: dict, path: Path, key: str = "concurrency", xlabel: str = "requests in flight") -> None:
+    """x plain per method, one group of bars per cell (`key`: what the cells vary)."""
+    cells = [{"batch": c[key], "methods": c["methods"]} for c in payload["cells"]]
     with figure(path) as axes:
         ax = axes[0][0]
         method_bars(ax, cells, lambda row: row["x_plain"]["x"], lambda row: [row["x_plain"]["x_min"], row["x_plain"]["x_max"]],
                     ylabel="tokens/s vs Transformers' plain continuous batching")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xlabel("requests in flight")
+        ax.set_xlabel(xlabel)
 
 
 def main(argv=None) -> None:

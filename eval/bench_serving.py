@@ -31,11 +31,10 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 import hf_specdec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_continuous_batching import latencies, serve, summary  # noqa: E402
+from bench_continuous_batching import method_table, plot, serve, summary  # noqa: E402
 from envs import ENVS, humaneval_texts  # noqa: E402
 from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
 from methods import Method  # noqa: E402
-from report import figure, method_bars  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 
@@ -60,29 +59,8 @@ def markdown(payload: dict) -> str:
              "generated token. identical: requests equal to plain's.", ""]
     for cell in payload["cells"]:
         lines += [f"**{cell['rate']} requests/s** (last arrival at {cell['last_arrival_s']:.0f} s)", "",
-                  "| method | tokens/s | x plain | TTFT p50 / p99 | TPOT p50 / p99 | TPOT p50 x plain | fwd/token | "
-                  "accepted / drafted | identical |",
-                  "|---|---:|---|---|---|---:|---:|---:|---:|"]
-        plain_tpot = cell["methods"]["plain"]["tpot_s"]["p50"]
-        for name, row in cell["methods"].items():
-            x = row["x_plain"]
-            spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
-            fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
-            lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
-                         f"{latencies(row)} | {plain_tpot / row['tpot_s']['p50']:.2f} | {fwd} | {spec} | "
-                         f"{row['identical']}/{row['requests']} |")
-        lines.append("")
+                  *method_table(cell["methods"], tpot_x_plain=True)]
     return "\n".join(lines)
-
-
-def plot(payload: dict, path: Path) -> None:
-    cells = [{"batch": c["rate"], "methods": c["methods"]} for c in payload["cells"]]
-    with figure(path) as axes:
-        ax = axes[0][0]
-        method_bars(ax, cells, lambda row: row["x_plain"]["x"], lambda row: [row["x_plain"]["x_min"], row["x_plain"]["x_max"]],
-                    ylabel="tokens/s vs Transformers' plain continuous batching")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xlabel("arrival rate (requests/s)")
 
 
 def main(argv=None) -> None:
@@ -108,7 +86,8 @@ def main(argv=None) -> None:
     hf_specdec.enable(model)
     methods = [Method("plain")] + ([Method("draft")] if env.draft is not None else []) + \
         [Method(f"lookup:{k}", k=k) for k in args.lookup]
-    results = Results(Path(args.out), vars(args), markdown, plot)
+    results = Results(Path(args.out), vars(args), markdown,
+                      lambda payload, path: plot(payload, path, key="rate", xlabel="arrival rate (requests/s)"))
     for method in methods:      # a warm-up of each path (first-call costs), one short request
         serve(model, method, prompts[:1], GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4}),
               ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, num_blocks=args.num_blocks),
