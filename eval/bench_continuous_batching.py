@@ -194,6 +194,20 @@ def plot(payload: dict, path: Path, key: str = "concurrency", xlabel: str = "req
         ax.set_xlabel(xlabel)
 
 
+def workload(args):
+    """The env (its target `enable`d), the first --requests HumanEval prompts as token ids (raw for
+    smollm2, the chat prompt otherwise), and the greedy generation config."""
+    env = ENVS[args.env]()
+    model, tokenizer = env.model, env.tokenizer
+    style = "raw" if args.env == "smollm2" else "chat"
+    prompts = [tokenizer(text, add_special_tokens=style == "raw").input_ids
+               for text in humaneval_texts(tokenizer, style, limit=args.requests)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
+                              eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    hf_specdec.enable(model)
+    return env, prompts, config
+
+
 def main(argv=None) -> None:
     parser = arguments(__doc__)
     parser.add_argument("--env", default="smollm2", choices=["smollm2", "qwen-coder", "qwen-coder-cpu"])
@@ -209,14 +223,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after a warm-up round")
     parser.add_argument("--out", required=True)
     args = parse(parser, argv)
-    env = ENVS[args.env]()
-    model, tokenizer = env.model, env.tokenizer
-    style = "raw" if args.env == "smollm2" else "chat"
-    prompts = [tokenizer(text, add_special_tokens=style == "raw").input_ids
-               for text in humaneval_texts(tokenizer, style, limit=args.requests)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
-                              eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    hf_specdec.enable(model)
+    env, prompts, config = workload(args)
+    model = env.model
     methods = [Method("plain")] + [Method(f"lookup:{k}", k=k) for k in args.lookup] + \
         ([Method("draft")] if env.draft is not None and not args.no_draft else []) + \
         ([Method("generate")] if env.draft is not None and args.generate else [])

@@ -28,11 +28,8 @@ from pathlib import Path
 
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-import hf_specdec
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_continuous_batching import method_table, plot, serve, summary  # noqa: E402
-from envs import ENVS, humaneval_texts  # noqa: E402
+from bench_continuous_batching import method_table, plot, serve, summary, workload  # noqa: E402
 from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
 from methods import Method  # noqa: E402
 
@@ -76,14 +73,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parse(parser, argv)
-    env = ENVS[args.env]()
-    model, tokenizer = env.model, env.tokenizer
-    style = "raw" if args.env == "smollm2" else "chat"
-    prompts = [tokenizer(text, add_special_tokens=style == "raw").input_ids
-               for text in humaneval_texts(tokenizer, style, limit=args.requests)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
-                              eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    hf_specdec.enable(model)
+    env, prompts, config = workload(args)
+    model = env.model
     methods = [Method("plain")] + ([Method("draft")] if env.draft is not None else []) + \
         [Method(f"lookup:{k}", k=k) for k in args.lookup]
     results = Results(Path(args.out), vars(args), markdown,
