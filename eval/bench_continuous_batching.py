@@ -123,6 +123,18 @@ def _eos(config: GenerationConfig) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
 
+def method_rows(runs: dict, ratios: dict, cell: str) -> dict:
+    """Per method (in `runs`): its `summary` against plain's outputs, tokens/s over the median
+    seconds and x plain (`ratios`: harness.speed's); logged."""
+    rows = {}
+    for name, run in runs.items():
+        row = rows[name] = summary(run, runs["plain"]["results"])
+        row["tokens_per_s"], row["x_plain"] = row["tokens"] / ratios[name]["seconds"], ratios[name]
+        logger.info("%s %s: %.2f tok/s, %.2fx plain, %d/%d identical", cell, name, row["tokens_per_s"],
+                    row["x_plain"]["x"], row["identical"], row["requests"])
+    return rows
+
+
 def percentiles(values: list[float]) -> dict | None:
     if not values:
         return None
@@ -240,14 +252,7 @@ def main(argv=None) -> None:
             seconds[method.name].append(runs[method.name]["seconds"])
         interleaved(methods, run, args.rounds)
         ratios = speed({name: values[1:] for name, values in seconds.items()}, "plain")    # round 0: a warm-up
-        rows = {}
-        for method in methods:
-            row = summary(runs[method.name], runs["plain"]["results"])
-            row["tokens_per_s"] = row["tokens"] / ratios[method.name]["seconds"]
-            row["x_plain"] = ratios[method.name]
-            rows[method.name] = row
-            logger.info("concurrency %d %s: %.1f tok/s, %.2fx plain, %d/%d identical", concurrency, method.name,
-                        row["tokens_per_s"], row["x_plain"]["x"], row["identical"], row["requests"])
+        rows = method_rows(runs, ratios, f"concurrency {concurrency}")
         logger.info("wrote %s", results.add({"concurrency": concurrency, "methods": rows}))
 
 

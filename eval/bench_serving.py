@@ -29,7 +29,7 @@ from pathlib import Path
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_continuous_batching import method_table, plot, serve, summary, workload  # noqa: E402
+from bench_continuous_batching import method_rows, method_table, plot, serve, workload  # noqa: E402
 from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
 from methods import Method  # noqa: E402
 
@@ -95,14 +95,7 @@ def main(argv=None) -> None:
             seconds[method.name].append(runs[method.name]["seconds"])
         interleaved(methods, run, args.rounds, warmup=False)
         ratios = speed(seconds, "plain")
-        rows = {}
-        for method in methods:
-            row = summary(runs[method.name], runs["plain"]["results"])
-            row["tokens_per_s"] = row["tokens"] / ratios[method.name]["seconds"]
-            row["x_plain"] = ratios[method.name]
-            rows[method.name] = row
-            logger.info("rate %g %s: %.2f tok/s, %.2fx plain, %d/%d identical", rate, method.name,
-                        row["tokens_per_s"], row["x_plain"]["x"], row["identical"], row["requests"])
+        rows = method_rows(runs, ratios, f"rate {rate:g}")
         logger.info("wrote %s", results.add({"rate": rate, "last_arrival_s": arrivals[-1], "methods": rows}))
 
 
