@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the [serve] extra: pip install 'hf-specdec[serve]'")
+openai = pytest.importorskip("openai", reason="the [serve] extra: pip install '.[serve]'")
 
 QUESTIONS = ["Write a Python function that adds two numbers.", "What is the capital of France?",
              "List three prime numbers.", "Explain recursion in one sentence."]
