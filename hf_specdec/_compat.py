@@ -438,7 +438,7 @@ def cb_forks_pending(scheduler) -> bool:
     return bool(scheduler._requests_to_fork)
 
 
-# `transformers serve` (transformers/cli/serving/, 5.24): `ModelManager._load_model` loads each model the
+# `transformers serve` (transformers/cli/serving/, the same in 5.23 and 5.24): `ModelManager._load_model` loads each model the
 # server serves (its device, dtype, quantization; GGUF weights named `repo:file.gguf`), and the CLI is
 # the typer app `transformers.cli.transformers.app`.
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, transformers_args: list[str]) -> None:
         _compat.transformers_cli(["serve", args.model, *transformers_args])
 
 
-def speculate(model, load=None, *, draft: str | None = None, prompt_lookup_num_tokens: int | None = None,
+def speculate(model, load, *, draft: str | None = None, prompt_lookup_num_tokens: int | None = None,
               max_matching_ngram_size: int | None = None, spec_policy=None):
     """`enable(model)`, and make each continuous batching manager of it speculate with `draft`
     (loaded by `load(draft)`) or prompt lookup, under `spec_policy`. The arguments are checked here,
