@@ -68,10 +68,10 @@ def serve(model, method: Method, prompts: list[list[int]], config: GenerationCon
                 manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=config.max_new_tokens,
                                     record_timestamps=True)
                 in_flight += 1
-            wait = 600 if arrivals is None or not pending else \
+            due_in = None if arrivals is None or not pending else \
                 max(0.0, arrivals[pending[0][0]] - (time.perf_counter() - start))
-            result = manager.get_result(timeout=max(wait, 1e-3))
-            if result is None and wait < 600:
+            result = manager.get_result(timeout=600 if due_in is None else max(due_in, 1e-3))
+            if result is None and due_in is not None:
                 continue                                     # the next arrival is due
             if result is None or result.error is not None:
                 raise RuntimeError(f"{method.name}: {result.error if result else 'no result in 600 s'}")
