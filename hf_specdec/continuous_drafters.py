@@ -108,13 +108,15 @@ class ModelDrafts:
         for row, state in zip(rows, joining):
             self.owners[row] = state.request_id
         batch.reserve(0, max((1 + len(s.initial_tokens) + len(s.generated_tokens) for s in states), default=0))
-        lengths = batch.lengths.host[:]
+        lengths, running_rows = batch.lengths.host[:], set(running.values())
         for state, row in [(wanted[i], r) for i, r in running.items()] + list(zip(joining, rows)):
-            tokens = state.initial_tokens + state.generated_tokens
-            written = lengths[row] - 1 if row in running.values() else 0
-            if len(tokens) > written:
-                batch.tokens[row, 1 + written:1 + len(tokens)] = torch.tensor(tokens[written:], device=device)
-            lengths[row] = 1 + len(tokens)
+            prompt, length = len(state.initial_tokens), len(state.initial_tokens) + len(state.generated_tokens)
+            written = lengths[row] - 1 if row in running_rows else 0
+            if length > written:       # a running row: its new tokens only (no copy of its whole sequence)
+                new = state.generated_tokens[written - prompt:] if written >= prompt else \
+                    (state.initial_tokens + state.generated_tokens)[written:]
+                batch.tokens[row, 1 + written:1 + length] = torch.tensor(new, device=device)
+            lengths[row] = 1 + length
         batch.lengths = RowInts.of(lengths, device)
         if joining:
             joiners = RowInts.of(rows, device)
