@@ -193,14 +193,17 @@ class CachedModel:
         n, used = len(self.num_real), self.num_slots
         return keys[:n, :, :used], values[:n, :, :used]
 
-    def model_mask(self, slots: torch.Tensor | None, positions: torch.Tensor):
+    def model_mask(self, slots: torch.Tensor | None, positions: torch.Tensor, four_d: bool = False):
         """The attention mask the model gets for a forward at `positions` [rows, w] over slots
         [rows, s] (the forward's own included; None: no holes, no window): the slot mask itself, or
-        with sliding-window layers `window_masks`, as a mapping by layer kind for models with both
-        kinds (as Transformers' own masks for them are)."""
-        if self.window is None:
+        with sliding-window layers (or `four_d`) `window_masks`, as a mapping by layer kind for
+        models with both kinds (as Transformers' own masks for them are). A 4-D mask is the model's
+        own: it is never left out for sdpa's `is_causal`, which would make another graph."""
+        if self.window is None and not four_d:
             return slots
         masks = window_masks(self.model, slots, positions, self.window)
+        if self.window is None:
+            return masks["full_attention"]
         return masks if self.full_layers_too else masks["sliding_attention"]
 
     def open_region(self, lead: int, width: int) -> SpecRegion:
@@ -304,16 +307,19 @@ class CachedModel:
 
 
 def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.Tensor,
-                 window: int) -> dict[str, torch.Tensor]:
+                 window: int | None) -> dict[str, torch.Tensor]:
     """4-D masks [rows, 1, w, s] for queries at `positions` [rows, w] over slots [rows, s], built
     from each slot's real position (the real slots before it), by layer kind: "full_attention"
-    causal, "sliding_attention" also within `window` tokens; in `model`'s attention's format."""
+    causal, "sliding_attention" also within `window` tokens (None: no sliding layers); in
+    `model`'s attention's format."""
     key_positions = slots.long().cumsum(1)[:, None, :] - 1                          # [rows, 1, s]
     query_positions = positions[:, :, None]                                         # [rows, w, 1]
     causal = slots[:, None, :] & (key_positions <= query_positions)                 # [rows, w, s]
-    sliding = causal & (query_positions - key_positions < window)
-    return {"full_attention": _as_attention_mask(model, causal[:, None]),
-            "sliding_attention": _as_attention_mask(model, sliding[:, None])}
+    masks = {"full_attention": _as_attention_mask(model, causal[:, None])}
+    if window is not None:
+        sliding = causal & (query_positions - key_positions < window)
+        masks["sliding_attention"] = _as_attention_mask(model, sliding[:, None])
+    return masks
 
 
 def _as_attention_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:

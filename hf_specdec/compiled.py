@@ -17,13 +17,20 @@ outputs: they are copied out at once (`CompiledForwards.__call__`).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 import types
 import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.utils import counters
 
+from . import _compat, regions
 from .tiers import SPEC_TIERS
+
+logger = logging.getLogger(__name__)
 
 # widths a compiled forward takes: k + 1 verified tokens for each tier's k (a one-token step pads
 # to k = 1's 2), and 17 for a drafter catching up after speculation was off
@@ -59,26 +66,38 @@ def _forward(model, input_ids, attention_mask, position_ids, cache_position, cac
 
 
 class CompiledForwards:
-    """One model's forward compiled with `compile_config` (Transformers' `CompileConfig`).
+    """One model's forward compiled with `compile_config` (Transformers' `CompileConfig`): where
+    CUDA graphs run (`mode="reduce-overhead"` on CUDA), the whole forward, one graph and one CUDA
+    graph per shape; elsewhere its decoder layers (`regions.py`), the rest of the forward eager.
 
     `dynamic`: the config's True makes every size symbolic; otherwise (Transformers' default False,
     or None) the rows and the width are marked dynamic here and other sizes (the cache's capacity)
-    follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile."""
+    follow dynamo's automatic rule: a size that changes is made symbolic at its one recompile
+    (regional: the capacity is dynamic from the start)."""
 
     def __init__(self, compile_config):
-        options = compile_config.to_dict()
-        options["dynamic"] = True if options.get("dynamic") else None
-        # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object
-        fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "compiled_forward")
-        self.function, self.code = torch.compile(fresh, **options), fresh.__code__
+        self.options = compile_config.to_dict()
+        self.options["dynamic"] = True if self.options.get("dynamic") else None
+        self.key = repr(sorted(compile_config.to_dict().items()))
+        self.whole_on_cuda = compile_config.mode == "reduce-overhead"
+        self.function = self.code = None        # the whole-model function, made at its first call
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
+
+    def layers(self, model: torch.nn.Module, cache) -> list | None:
+        """The decoder layers a forward of `model` over `cache` (a StaticCache) compiles, paired with
+        their cache layers (`_compat.decoder_layers`), or None: the whole forward compiles (CUDA
+        graphs need it; or the layers are not plain)."""
+        if self.whole_on_cuda and _compat.execution_device(model).type == "cuda":
+            return None
+        return _compat.decoder_layers(model, cache)
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,
-                 cache_address: int, warmups: WarmupCount) -> torch.Tensor:
+                 cache_address: int, warmups: WarmupCount, layers: list | None) -> torch.Tensor:
         """A copy of the logits [rows, width, vocab] of a forward (inputs already padded to a
         compiled shape; cache_address: where the cache's tensors are, part of what a graph records;
-        warmups: the calling generate() call's count, moved if this call is a warm-up)."""
+        warmups: the calling generate() call's count, moved if this call is a warm-up; layers:
+        `self.layers(...)`, whose masks must be 4-D: Transformers' own would be None at times)."""
         # attention_mask: the slot mask [rows, slots], or with sliding windows 4-D masks
         # [rows, 1, width, slots] (one, or one per layer kind)
         masks = list(attention_mask.values()) if isinstance(attention_mask, dict) else [attention_mask]
@@ -94,8 +113,27 @@ class CompiledForwards:
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if calls <= WARMUP_CALLS:
             warmups.calls += 1
-        logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
-        return logits.clone()          # the next call overwrites a CUDA graph's outputs
+        args = (model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs)
+        with compile_log(model, "its decoder layers" if layers else "its whole forward"):
+            if layers is None:
+                if self.function is None:
+                    # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object
+                    fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "compiled_forward")
+                    self.function, self.code = torch.compile(fresh, **self.options), fresh.__code__
+                return self.function(*args).clone()   # the next call overwrites a CUDA graph's outputs
+            with regions.routed(layers, *cache_kwargs.values(), self.options, self.key):
+                return _forward(*args)
+
+
+@contextlib.contextmanager
+def compile_log(model: torch.nn.Module, what: str):
+    """Logs (INFO) the graphs a compiled forward of `model` compiled, and how long that took."""
+    graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
+    yield
+    compiled = counters["stats"]["unique_graphs"] - graphs
+    if compiled:
+        logger.info("compiled %d graph(s) of %s's decoding forward (%s) in %.1f s", compiled,
+                    type(model).__name__, what, time.perf_counter() - start)
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {options: CompiledForwards}
@@ -104,8 +142,6 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> 
 def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForwards:
     """The model's compiled forward for this config, kept across generate() calls (compiling is slow)."""
     per_config = _COMPILED.setdefault(model, {})
-    key = repr(sorted(compile_config.to_dict().items()))
-    if key not in per_config:
-        per_config[key] = CompiledForwards(compile_config)
-    return per_config[key]
+    forwards = CompiledForwards(compile_config)
+    return per_config.setdefault(forwards.key, forwards)
 
