@@ -51,7 +51,7 @@ from report import figure, method_bars
 logger = logging.getLogger("bench_gpu")
 # Transformers' assisted generation runs eager: with a static cache it compiles its target at fixed
 # shapes (CompileConfig's dynamic=False), a whole compile per verification width
-METHODS = "plain,plain/static,hf-assisted:4@draft,fixed:4@draft/static,auto@draft/static"
+METHODS = "plain,plain/static,hf-assisted:4@draft,fixed:4@draft,auto@draft,fixed:4@draft/static,auto@draft/static"
 
 
 class SyncCounter:

@@ -1,10 +1,15 @@
 """A model's decoding forward over a static KV cache: compiled once, captured per shape.
 
-`torch.compile` runs one function per model (and `CompileConfig`) with the rows and the width of
-a forward marked dynamic, so inductor compiles one graph for every decoding shape; with
-`mode="reduce-overhead"` CUDA graph trees then record one CUDA graph per concrete shape (vLLM's
-"compile once, capture per batch size"). On an H200 a 7B's compile took ~60 s and a new
-shape's recording < 0.1 s (docs/results/compile_probe/h200.md).
+Where CUDA graphs run (`CompileConfig`'s default `mode="reduce-overhead"` on CUDA), `torch.compile`
+runs one function per model (and config) with the rows and the width of a forward marked dynamic,
+so inductor compiles one graph for every decoding shape and CUDA graph trees record one CUDA graph
+per concrete shape (vLLM's "compile once, capture per batch size"). On an H200 a 7B's compile took
+~60 s and a new shape's recording < 0.1 s (docs/results/compile_probe/h200.md).
+
+Elsewhere (the CPU, or a mode without CUDA graphs) only the decoder layers are compiled, one graph
+for every layer of every model of a layer class (`regions.py`): SmolLM2-135M's first speculative
+call on this CPU went from 193 s to about 1/4 of that cold
+(docs/results/bench_first_call/smollm2-cpu.md).
 
 Dynamo specialises sizes 0 and 1, which would cost a whole compile each; so a compiled forward
 is at least `MIN_ROWS` rows and `WIDTH_TIERS[0]` tokens wide (a dummy row, a hole slot: almost
@@ -13,7 +18,8 @@ recorded. Forwards wider than every tier (a prefill, a long catch-up) run eager,
 Transformers runs its prefill.
 
 Under CUDA graph trees the next call of a compiled function overwrites the previous call's
-outputs: they are copied out at once (`CompiledForwards.__call__`).
+outputs: they are copied out at once (`CompiledForwards.__call__`). The first call of a function
+(and any call that compiles) is logged at INFO with the graphs it compiled and its seconds.
 """
 from __future__ import annotations
 
@@ -59,9 +65,9 @@ def rows_bucket(rows: int) -> int:
     return max(MIN_ROWS, 1 << max(rows - 1, 0).bit_length())
 
 
-def _forward(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs):
+def _forward(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs, logits_to_keep):
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                 cache_position=cache_position, use_cache=True, logits_to_keep=input_ids.shape[1],
+                 cache_position=cache_position, use_cache=True, logits_to_keep=logits_to_keep,
                  **cache_kwargs).logits
 
 
@@ -93,11 +99,12 @@ class CompiledForwards:
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,
-                 cache_address: int, warmups: WarmupCount, layers: list | None) -> torch.Tensor:
-        """A copy of the logits [rows, width, vocab] of a forward (inputs already padded to a
+                 cache_address: int, warmups: WarmupCount, layers: list | None, columns: slice) -> torch.Tensor:
+        """A copy of the logits [rows, columns, vocab] of a forward (inputs already padded to a
         compiled shape; cache_address: where the cache's tensors are, part of what a graph records;
         warmups: the calling generate() call's count, moved if this call is a warm-up; layers:
-        `self.layers(...)`, whose masks must be 4-D: Transformers' own would be None at times)."""
+        `self.layers(...)`, whose masks must be 4-D: Transformers' own would be None at times;
+        columns: the positions whose logits are wanted, the only ones an eager head computes)."""
         # attention_mask: the slot mask [rows, slots], or with sliding windows 4-D masks
         # [rows, 1, width, slots] (one, or one per layer kind)
         masks = list(attention_mask.values()) if isinstance(attention_mask, dict) else [attention_mask]
@@ -120,9 +127,11 @@ class CompiledForwards:
                     # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object
                     fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "compiled_forward")
                     self.function, self.code = torch.compile(fresh, **self.options), fresh.__code__
-                return self.function(*args).clone()   # the next call overwrites a CUDA graph's outputs
+                # (a copy: the next call overwrites a CUDA graph's outputs)
+                return self.function(*args, input_ids.shape[1])[:, columns].clone()
+            # the head runs eager: only the wanted positions (on a CPU it costs like the layers)
             with regions.routed(layers, *cache_kwargs.values(), self.options, self.key):
-                return _forward(*args)
+                return _forward(*args, torch.arange(columns.start, columns.stop, device=input_ids.device))
 
 
 @contextlib.contextmanager

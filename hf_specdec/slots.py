@@ -154,10 +154,10 @@ class StaticSlots:
         layers = self.compiled.layers(runner.model, self.cache)
         logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions, four_d=layers is not None),
                                positions, cache_position, _compat.cache_kwargs(runner.model, self.cache),
-                               self.full[0][0].data_ptr(), self.warmups, layers)
+                               self.full[0][0].data_ptr(), self.warmups, layers, slice(end - keep, end))
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
-        return logits[:, end - keep:end]
+        return logits
 
     def reserve(self, width: int) -> None:
         """Room for `width` more slots (the tier it pads to, when compiled): compacted when full

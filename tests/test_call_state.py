@@ -82,35 +82,55 @@ class MeetingStreamer:
         pass
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "compiled"])
 def test_two_threads_generate_with_one_model_at_once(cache):
+    """Two threads' calls meet at every streamed token; compiled (regional: `regions.py`), a third
+    thread's plain generate() runs the same layers meanwhile and must not be routed to theirs."""
     model = build("llama", 2, seed=0)
     draft = noisy_copy(model, 0.3)
     hf_specdec.enable(model)
     inputs = [prompts(2, seed=5), prompts(3, seed=6, min_len=4, max_len=11)]
+    static = {"cache_implementation": "dynamic" if cache == "dynamic" else "static"}
+    if cache == "compiled":
+        static["compile_config"] = cpu_compile_config()
     meeting = threading.Barrier(2)
-    results, errors = [None, None], []
+    results, errors, plain_runs = [None, None], [], []
+    done = threading.Event()
 
     def run(i):
         ids, mask = inputs[i]
         try:
             streamer = MeetingStreamer(meeting)
             out = model.generate(input_ids=ids, attention_mask=mask, assistant_models=[draft], max_new_tokens=12,
-                                 do_sample=False, cache_implementation=cache, streamer=streamer)
+                                 do_sample=False, streamer=streamer, **static)
             results[i] = (out, streamer)
         except BaseException as error:        # reported below, from the test's thread
             errors.append(error)
             meeting.abort()
 
+    def plain():
+        ids, mask = inputs[0]
+        while not done.is_set():
+            plain_runs.append(type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                                                   do_sample=False))
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
+    bystander = threading.Thread(target=plain)
+    for t in (*threads, bystander):
         t.start()
     for t in threads:
         t.join(timeout=600)
+    done.set()
+    bystander.join(timeout=600)
     assert not errors, errors
     for (ids, mask), (out, streamer) in zip(inputs, results):
         assert_same(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
         assert len(streamer.columns) >= 2
+    assert plain_runs
+    for out in plain_runs:
+        assert_same(out, plain_runs[0])
+    assert_same(plain_runs[0], type(model).generate(model, input_ids=inputs[0][0], attention_mask=inputs[0][1],
+                                                    max_new_tokens=12, do_sample=False))
 
 
 def test_auto_policy_is_kept_per_drafter_object_not_per_id():

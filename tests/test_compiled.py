@@ -2,6 +2,7 @@
 or anywhere with `compile_config._compile_all_devices`). Compiled here with dynamo's "eager"
 backend: the same graphs, guards and recompilations as inductor, without its code generation."""
 import importlib
+import logging
 import math
 
 import pytest
@@ -51,12 +52,13 @@ def _circle_call(target, draft, ids, new, policy, eos=None):
     return _graphs() - before
 
 
-def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_calls_grow_and_shrink():
+def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_calls_grow_and_shrink(caplog):
     """Rows reach EOS one after another (a circle model continues last+1, ...), so the batch drops
     from bucket 8 to 4, 2 and 1 while k cycles through every tier: the target's and the draft's
     layers (one class, one size) run one compiled graph (rows, width and capacity are dynamic, and
     never 1). Neither a smaller batch nor a cache that grows compiles anything; calls that need no
-    growth reuse the same cache tensors."""
+    growth reuse the same cache tensors. The compile is logged, saying what it compiled."""
+    caplog.set_level(logging.INFO, logger="hf_specdec.compiled")
     vocab, eos = 512, 500
     target = circle_model("toy", vocab=vocab, dtype=torch.float32)
     draft = circle_model("toy", vocab=vocab, alpha=0.7, dtype=torch.float32)
@@ -66,6 +68,8 @@ def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_call
     compiled_ks = (0, 1, 2, 4, 6, 8, 3, 16)
     assert _circle_call(target, draft, ids, 40, ks, eos) == 1                     # target and draft layers
     assert _graphs_per_function(target, draft) == [1]
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records if r.name == "hf_specdec.compiled"] == [
+        "compiled 1 graph(s) of Qwen2ForCausalLM's decoding forward (its decoder layers)"]
     address = _kept(target).full[0][0].data_ptr()
     assert _circle_call(target, draft, ids[:3], 40, ks) == 0                      # fewer rows, same capacity
     assert _kept(target).full[0][0].data_ptr() == address
