@@ -237,20 +237,24 @@ def decoder_layers(model: torch.nn.Module, cache) -> list[tuple[torch.nn.Module,
 
 
 class LayerCache:
-    """One StaticCache layer seen as the whole cache by the decoder layer that writes it: `update`
-    ignores the layer index, so every layer's compiled graph is the same (the index would be a
-    constant of the graph: one graph per layer)."""
+    """One layer of a StaticCache seen as the whole cache by the decoder layer that writes it:
+    `update` ignores the layer index, so every layer's compiled graph is the same (the index would
+    be a constant of the graph: one graph per layer). Anything else is the cache's own."""
 
-    def __init__(self, layer):
-        self.layer = layer
+    def __init__(self, cache, layer):
+        self.cache, self.layer = cache, layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.layer.update(key_states, value_states, *args, **kwargs)
 
+    def __getattr__(self, name: str):
+        return getattr(self.cache, name)
 
-def with_layer_cache(args: tuple, kwargs: dict, cache, layer_cache: LayerCache) -> tuple[tuple, dict]:
-    """A decoder layer's arguments with the model's `cache` (passed by name or by position, as the
+
+def with_layer_cache(args: tuple, kwargs: dict, layer_cache: LayerCache) -> tuple[tuple, dict]:
+    """A decoder layer's arguments with the model's cache (passed by name or by position, as the
     model does) replaced by its `layer_cache`."""
+    cache = layer_cache.cache
     return (tuple(layer_cache if a is cache else a for a in args),
             {k: layer_cache if v is cache else v for k, v in kwargs.items()})
 

@@ -1,12 +1,12 @@
 """A model's decoding forward over a static KV cache: compiled once, captured per shape.
 
-Where CUDA graphs run (`CompileConfig`'s default `mode="reduce-overhead"` on CUDA), `torch.compile`
+On CUDA (where `CompileConfig`'s default `mode="reduce-overhead"` runs CUDA graphs) `torch.compile`
 runs one function per model (and config) with the rows and the width of a forward marked dynamic,
 so inductor compiles one graph for every decoding shape and CUDA graph trees record one CUDA graph
 per concrete shape (vLLM's "compile once, capture per batch size"). On an H200 a 7B's compile took
 ~60 s and a new shape's recording < 0.1 s (docs/results/compile_probe/h200.md).
 
-Elsewhere (the CPU, or a mode without CUDA graphs) only the decoder layers are compiled, one graph
+Elsewhere (the CPU, any other device) only the decoder layers are compiled, one graph
 for every layer of every model of a layer class (`regions.py`): SmolLM2-135M's first speculative
 call on this CPU went from 193 s to about 1/4 of that cold
 (docs/results/bench_first_call/smollm2-cpu.md).
@@ -72,9 +72,9 @@ def _forward(model, input_ids, attention_mask, position_ids, cache_position, cac
 
 
 class CompiledForwards:
-    """One model's forward compiled with `compile_config` (Transformers' `CompileConfig`): where
-    CUDA graphs run (`mode="reduce-overhead"` on CUDA), the whole forward, one graph and one CUDA
-    graph per shape; elsewhere its decoder layers (`regions.py`), the rest of the forward eager.
+    """One model's forward compiled with `compile_config` (Transformers' `CompileConfig`): on CUDA
+    the whole forward, one graph (and with `mode="reduce-overhead"` one CUDA graph per shape);
+    elsewhere its decoder layers (`regions.py`), the rest of the forward eager.
 
     `dynamic`: the config's True makes every size symbolic; otherwise (Transformers' default False,
     or None) the rows and the width are marked dynamic here and other sizes (the cache's capacity)
@@ -85,15 +85,15 @@ class CompiledForwards:
         self.options = compile_config.to_dict()
         self.options["dynamic"] = True if self.options.get("dynamic") else None
         self.key = repr(sorted(compile_config.to_dict().items()))
-        self.whole_on_cuda = compile_config.mode == "reduce-overhead"
         self.function = self.code = None        # the whole-model function, made at its first call
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
 
     def layers(self, model: torch.nn.Module, cache) -> list | None:
         """The decoder layers a forward of `model` over `cache` (a StaticCache) compiles, paired with
-        their cache layers (`_compat.decoder_layers`), or None: the whole forward compiles (CUDA
-        graphs need it; or the layers are not plain)."""
-        if self.whole_on_cuda and _compat.execution_device(model).type == "cuda":
+        their cache layers (`_compat.decoder_layers`), or None: the whole forward compiles (on CUDA,
+        where CUDA graphs need it and per-layer guards would cost launch time; or where the layers
+        are not plain)."""
+        if _compat.execution_device(model).type == "cuda":
             return None
         return _compat.decoder_layers(model, cache)
 

@@ -25,7 +25,7 @@ import torch
 
 from . import _compat
 
-_routes = threading.local()    # .table: {layer: (compiled function, cache, LayerCache)} of this thread's forward
+_routes = threading.local()    # .table: {layer: (compiled function, LayerCache)} of this thread's forward
 _lock = threading.Lock()
 _installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # layer -> regional forwards running it
 _functions: dict[tuple, object] = {}        # (CompileConfig key, layer class) -> compiled layer function
@@ -50,10 +50,12 @@ def _mark_dynamic(args: tuple, kwargs: dict, cache: _compat.LayerCache) -> None:
     """Rows, width and capacity dynamic in a layer's inputs: hidden states and what has their
     [rows, width] (positions, rotary tables), 4-D masks [rows, 1, width, capacity], the cache
     positions [width], and the layer's keys and values [rows, heads, capacity, dim]."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    rows, width = hidden.shape[:2]
     tensors = [t for value in (*args, *kwargs.values()) for t in (value if isinstance(value, tuple) else (value,))
                if isinstance(t, torch.Tensor)]
+    hidden = kwargs.get("hidden_states", tensors[0] if tensors else None)
+    if hidden is None or hidden.ndim != 3:
+        return
+    rows, width = hidden.shape[:2]
     for t in tensors:
         if t.ndim >= 2 and t.shape[:2] == (rows, width):
             dims = (0, 1)
@@ -75,16 +77,16 @@ def _route(layer, *args, **kwargs):
     routed = table.get(layer) if table else None
     if routed is None:
         return layer._call_impl(*args, **kwargs)
-    function, cache, layer_cache = routed
+    function, layer_cache = routed
     _mark_dynamic(args, kwargs, layer_cache)
-    return function(layer, *_compat.with_layer_cache(args, kwargs, cache, layer_cache))
+    return function(layer, *_compat.with_layer_cache(args, kwargs, layer_cache))
 
 
 @contextlib.contextmanager
 def routed(pairs: list[tuple[torch.nn.Module, object]], cache, options: dict, key: str):
     """While open, this thread's calls of the decoder layers in `pairs` ([(layer, its layer of the
     StaticCache `cache`)], `_compat.decoder_layers`) run the compiled layer function of their class."""
-    table = {layer: (layer_function(options, key, type(layer)), cache, _compat.LayerCache(cache_layer))
+    table = {layer: (layer_function(options, key, type(layer)), _compat.LayerCache(cache, cache_layer))
              for layer, cache_layer in pairs}
     with _lock:
         for layer in table:

@@ -281,3 +281,20 @@ def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
     assert_same(tight.sequences, plain)
     assert_same(roomy.sequences, plain)
     assert tight.spec_stats.acceptance_rate == roomy.spec_stats.acceptance_rate
+
+
+def test_the_whole_forward_compiles_on_cuda_else_the_layers(monkeypatch):
+    """On CUDA the whole forward compiles (CUDA graphs need it); elsewhere the decoder layers,
+    each with its own cache layer. Layers their owner compiled are left to the whole-forward path."""
+    from transformers import StaticCache
+    model = build("llama", 2, seed=0)
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    forwards = compiled.CompiledForwards(CompileConfig())
+    pairs = forwards.layers(model, cache)
+    assert [layer for layer, _ in pairs] == list(model.model.layers)
+    assert [c for _, c in pairs] == list(cache.layers)
+    model.model.layers[1].compile()
+    assert forwards.layers(model, cache) is None
+    model.model.layers[1]._compiled_call_impl = None
+    monkeypatch.setattr(compiled._compat, "execution_device", lambda m: torch.device("cuda"))
+    assert forwards.layers(model, cache) is None
