@@ -222,17 +222,15 @@ def decoder_layers(model: torch.nn.Module, cache) -> list[tuple[torch.nn.Module,
     """The decoder layers of `model` [num_hidden_layers], each with the StaticCache layer it writes
     (`cache.layers[i]`, read by the layer's attention as `cache.update(..., self.layer_idx)`), or
     None where that pairing is not plain: no `get_decoder()` list of layers, a layer whose modules
-    hold another `layer_idx`, a KV-sharing layer, or a layer compiled by its owner."""
+    hold another `layer_idx`, or a KV-sharing layer."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     count = model.config.get_text_config(decoder=True).num_hidden_layers
     layers = next((m for m in (decoder.children() if decoder is not None else ())
                    if isinstance(m, torch.nn.ModuleList) and len(m) == count), None)
     if layers is None or len(cache.layers) != count or any(isinstance(c, DummyLayer) for c in cache.layers):
         return None
-    for i, layer in enumerate(layers):
-        if layer._compiled_call_impl is not None or any(
-                getattr(m, "layer_idx", i) != i for m in layer.modules()):
-            return None
+    if any(getattr(m, "layer_idx", i) != i for i, layer in enumerate(layers) for m in layer.modules()):
+        return None
     return list(zip(layers, cache.layers))
 
 

@@ -312,13 +312,14 @@ def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.T
     from each slot's real position (the real slots before it), by layer kind: "full_attention"
     causal, "sliding_attention" also within `window` tokens (None: no sliding layers); in
     `model`'s attention's format."""
-    key_positions = slots.long().cumsum(1)[:, None, :] - 1                          # [rows, 1, s]
-    query_positions = positions[:, :, None]                                         # [rows, w, 1]
-    causal = slots[:, None, :] & (key_positions <= query_positions)                 # [rows, w, s]
-    masks = {"full_attention": _as_attention_mask(model, causal[:, None])}
+    # built at [rows, 1, w, s], not as views of [rows, w, s]: a compiled layer guards on a view's base
+    key_positions = slots.long().cumsum(1)[:, None, None, :] - 1                    # [rows, 1, 1, s]
+    query_positions = positions[:, None, :, None]                                   # [rows, 1, w, 1]
+    causal = slots[:, None, None, :] & (key_positions <= query_positions)           # [rows, 1, w, s]
+    masks = {"full_attention": _as_attention_mask(model, causal)}
     if window is not None:
         sliding = causal & (query_positions - key_positions < window)
-        masks["sliding_attention"] = _as_attention_mask(model, sliding[:, None])
+        masks["sliding_attention"] = _as_attention_mask(model, sliding)
     return masks
 
 

@@ -8,8 +8,8 @@ per concrete shape (vLLM's "compile once, capture per batch size"). On an H200 a
 
 Elsewhere (the CPU, any other device) only the decoder layers are compiled, one graph
 for every layer of every model of a layer class (`regions.py`): SmolLM2-135M's first speculative
-call on this CPU went from 193 s to about 1/4 of that cold
-(docs/results/bench_first_call/smollm2-cpu.md).
+call with a draft on a 2-core CPU took 46 s cold against 210 s compiling whole forwards, and
+against 91 s for Transformers' compiled plain first call (docs/results/bench_first_call/).
 
 Dynamo specialises sizes 0 and 1, which would cost a whole compile each; so a compiled forward
 is at least `MIN_ROWS` rows and `WIDTH_TIERS[0]` tokens wide (a dummy row, a hole slot: almost
@@ -91,11 +91,12 @@ class CompiledForwards:
     def layers(self, model: torch.nn.Module, cache) -> list | None:
         """The decoder layers a forward of `model` over `cache` (a StaticCache) compiles, paired with
         their cache layers (`_compat.decoder_layers`), or None: the whole forward compiles (on CUDA,
-        where CUDA graphs need it and per-layer guards would cost launch time; or where the layers
-        are not plain)."""
+        where CUDA graphs need it and per-layer guards would cost launch time; where the layers
+        are not plain; or where their owner compiled them)."""
         if _compat.execution_device(model).type == "cuda":
             return None
-        return _compat.decoder_layers(model, cache)
+        pairs = _compat.decoder_layers(model, cache)
+        return None if pairs is None or any(regions.compiled_by_owner(layer) for layer, _ in pairs) else pairs
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,

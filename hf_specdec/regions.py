@@ -71,6 +71,12 @@ def _mark_dynamic(args: tuple, kwargs: dict, cache: _compat.LayerCache) -> None:
         torch._dynamo.maybe_mark_dynamic(t, 2)
 
 
+def compiled_by_owner(layer: torch.nn.Module) -> bool:
+    """Whether `layer` was compiled by its owner (`module.compile()`), not routed here."""
+    impl = layer._compiled_call_impl
+    return impl is not None and not (isinstance(impl, functools.partial) and impl.func is _route)
+
+
 def _route(layer, *args, **kwargs):
     """A decoder layer's call: to the compiled function during this thread's regional forward."""
     table = getattr(_routes, "table", None)
@@ -94,11 +100,11 @@ def routed(pairs: list[tuple[torch.nn.Module, object]], cache, options: dict, ke
             if not count:
                 layer._compiled_call_impl = functools.partial(_route, layer)
             _installed[layer] = count + 1
-    _routes.table = table
+    outer, _routes.table = getattr(_routes, "table", None), table
     try:
         yield
     finally:
-        _routes.table = None
+        _routes.table = outer
         with _lock:
             for layer in table:
                 _installed[layer] -= 1

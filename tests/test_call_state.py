@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_specdec
+from hf_specdec import compiled
 from hf_specdec.kept import kept_for
 from hf_specdec.testing import build, noisy_copy, prompts
 from helpers import assert_same, cpu_compile_config
@@ -131,6 +132,9 @@ def test_two_threads_generate_with_one_model_at_once(cache):
         assert_same(out, plain_runs[0])
     assert_same(plain_runs[0], type(model).generate(model, input_ids=inputs[0][0], attention_mask=inputs[0][1],
                                                     max_new_tokens=12, do_sample=False))
+    if cache == "compiled":          # both threads ran the layers compiled, neither the whole forward
+        assert all(f.function is None and f.calls for f in compiled._COMPILED[model].values())
+        assert all(layer._compiled_call_impl is None for layer in model.model.layers)
 
 
 def test_auto_policy_is_kept_per_drafter_object_not_per_id():

@@ -52,13 +52,14 @@ def _circle_call(target, draft, ids, new, policy, eos=None):
     return _graphs() - before
 
 
-def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_calls_grow_and_shrink(caplog):
+def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_calls_grow_and_shrink(caplog, monkeypatch):
     """Rows reach EOS one after another (a circle model continues last+1, ...), so the batch drops
     from bucket 8 to 4, 2 and 1 while k cycles through every tier: the target's and the draft's
     layers (one class, one size) run one compiled graph (rows, width and capacity are dynamic, and
     never 1). Neither a smaller batch nor a cache that grows compiles anything; calls that need no
     growth reuse the same cache tensors. The compile is logged, saying what it compiled."""
     caplog.set_level(logging.INFO, logger="hf_specdec.compiled")
+    monkeypatch.setattr(regions, "_functions", {})     # not the layer functions of earlier tests
     vocab, eos = 512, 500
     target = circle_model("toy", vocab=vocab, dtype=torch.float32)
     draft = circle_model("toy", vocab=vocab, alpha=0.7, dtype=torch.float32)
@@ -147,11 +148,12 @@ def test_outputs_overwritten_by_the_next_compiled_call_change_nothing(case, monk
                                                      do_sample=False))
 
 
-def test_real_inductor_on_the_cpu_is_exact_and_compiles_once():
+def test_real_inductor_on_the_cpu_is_exact_and_compiles_once(monkeypatch):
     """The real inductor backend (code generation and all), as a GPU runs it minus the CUDA graphs:
     a batch drafting with prompt lookup (one compiled model; the prompts hold the continuation's
     first tokens, so drafts are found and accepted), identical to plain, and a second call with
     another batch size and other draft lengths compiles nothing."""
+    monkeypatch.setattr(regions, "_functions", {})
     target = circle_model("toy", vocab=512, dtype=torch.float32)
     ids = torch.stack([torch.cat([torch.arange(s + 5, s + 13), torch.arange(s, s + 5)]) for s in (20, 100, 300)])
     mask = torch.ones_like(ids)
