@@ -104,6 +104,8 @@ class StaticSlots:
             self.full, self.views, self.alloc_rows = [], {}, 0
         else:
             self._use_rows(self.rows)
+        # the layers the compiled forwards run, paired with their cache layers (None: the whole forward)
+        self.layers = self.compiled.layers(model, self.cache) if self.compiled else None
         self.used, self.moves = 0, 0              # moves: compactions so far (`CachedModel.open_region`)
         _compat.set_static_length(self.cache, 0)
         self._mask = torch.zeros(self.alloc_rows or self.rows, self.capacity, dtype=torch.bool, device=device)
@@ -151,10 +153,10 @@ class StaticSlots:
                 self.alloc_rows = self.rows
                 self._use_rows(self.rows)
             return logits
-        layers = self.compiled.layers(runner.model, self.cache)
-        logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions, four_d=layers is not None),
-                               positions, cache_position, _compat.cache_kwargs(runner.model, self.cache),
-                               self.full[0][0].data_ptr(), self.warmups, layers, slice(end - keep, end))
+        four_d = self.layers is not None       # (compiled layers: Transformers' own mask would at times be None)
+        logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions, four_d=four_d), positions,
+                               cache_position, _compat.cache_kwargs(runner.model, self.cache),
+                               self.full[0][0].data_ptr(), self.warmups, self.layers, slice(end - keep, end))
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits
