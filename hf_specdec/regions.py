@@ -68,7 +68,9 @@ def _mark_dynamic(args: tuple, kwargs: dict, cache: _compat.LayerCache) -> None:
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
     for t in (cache.layer.keys, cache.layer.values):
-        torch._dynamo.maybe_mark_dynamic(t, 2)
+        # a row bucket's keys are a view of the allocation: its base's capacity is guarded on too
+        for whole in (t, t._base) if t._base is not None else (t,):
+            torch._dynamo.maybe_mark_dynamic(whole, 2)
 
 
 def compiled_by_owner(layer: torch.nn.Module) -> bool:
