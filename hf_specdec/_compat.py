@@ -15,12 +15,14 @@ import contextlib
 import copy
 import functools
 import inspect
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 import transformers
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 SUPPORTED_TRANSFORMERS = ">=5.23,<6"
@@ -64,9 +66,18 @@ def cache_from_model_kwargs(model_kwargs: dict):
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     """An empty dynamic KV cache for `model` in which every layer keeps every token: a sliding
     layer's window is applied by the mask (`sliding_window`), so a rejected draft can be masked
-    out there too. Refuses layer kinds that cannot hold masked slots."""
+    out there too; a recurrent or convolution layer keeps its states per row (`StateLayer`).
+    Refuses layer kinds that cannot hold masked slots."""
     _refuse_unsupported(model)
-    return DynamicCache() if sliding_window(model) else DynamicCache(config=model.config)
+    if not state_kinds(model):
+        return DynamicCache() if sliding_window(model) else DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    for i, (kind, _) in enumerate(layer_kinds(model)):
+        if kind in state_kinds(model):
+            cache.layers[i] = StateLayer(number_of_states=cache.layers[i].number_of_states)
+        elif kind == "sliding_attention":
+            cache.layers[i] = DynamicLayer()
+    return cache
 
 
 def new_static_cache(model: torch.nn.Module, capacity: int):
@@ -104,15 +115,16 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or config.is_encoder_decoder:
         return None
-    if getattr(model, "_is_stateful", False):
-        return "stateful (recurrent)"
     if bidirectional(model):
         return "bidirectional attention (is_decoder=False)"
     kinds = layer_kinds(model)
     # "dummy": a layer that reads another layer's K/V (Gemma 4's KV sharing) and keeps none
-    other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention", "dummy"})
+    other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention", "dummy"}
+                   - _runnable_state_kinds(model))
     if other:
         return f"{other[0]}"
+    if getattr(model, "_is_stateful", False) and not state_kinds(model):
+        return "stateful (recurrent)"
     windows = {w for kind, w in kinds if kind == "sliding_attention"}
     if len(windows) > 1:
         return f"sliding-window (of {len(windows)} sizes)"
@@ -141,6 +153,209 @@ def _refuse_unsupported(model: torch.nn.Module) -> None:
     if layers:
         raise ValueError(f"{type(model).__name__} has {layers} layers; hf_specdec rolls back rejected tokens by "
                          "masking cache slots, which those layers cannot do")
+
+
+# Recurrent and convolution layers (hybrid models). In 5.24 every such mixer keeps its states in a
+# cache layer of `LinearAttentionCacheLayerMixin`: it reads them with `cache.get_conv_state` /
+# `get_recurrent_state`, passes each forward's conv inputs [n, channels, w] to `update_conv_state`
+# (which returns them after the state: the causal conv's left context) and its final recurrent state
+# to `update_recurrent_state`; with `record_past` it never takes its one-token path (a conv state
+# updated in place). A Gated DeltaNet layer's recurrence is the module-level function
+# `torch_chunk_gated_delta_rule` (several tokens) or `torch_recurrent_gated_delta_rule` (one) of
+# its modeling module, which the mixer calls by name.
+_GDN_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+_recording = threading.local()        # .plan: this thread's StatePlan during a forward; .states: the last rule's
+_rules_lock = threading.Lock()
+_rules_installed: dict[str, int] = {}   # modeling module -> forwards recording through its wrapped rules
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """Which states a forward keeps: of row b, the state after each of its columns lo[b] ..
+    lo[b] + span - 1 (column -1: its state before the forward)."""
+
+    lo: list[int]
+    span: int
+
+    def pick(self, per_column: torch.Tensor) -> torch.Tensor:
+        """Of states after each column -1 .. w - 1 [n, w + 1, *state], the kept ones [n, span, *state]."""
+        n, columns = per_column.shape[:2]
+        lo = torch.tensor(self.lo, device=per_column.device)
+        index = (lo[:, None] + 1 + torch.arange(self.span, device=lo.device)).clamp(0, columns - 1)
+        return per_column[torch.arange(n, device=lo.device)[:, None], index]
+
+
+def state_kinds(model: torch.nn.Module) -> set[str]:
+    """The layer kinds of `model` that keep a recurrent or convolution state (not K/V)."""
+    return {kind for kind, _ in layer_kinds(model)} - {"full_attention", "sliding_attention", "chunked_attention", "dummy"}
+
+
+def _runnable_state_kinds(model: torch.nn.Module) -> set[str]:
+    """The state kinds our loop rolls back per row: short convolutions, and Gated DeltaNet linear
+    attention (its modeling module's rules, which `recording_states` wraps)."""
+    module = sys.modules[type(model).__module__]
+    gated_delta = all(callable(getattr(module, name, None)) for name in _GDN_RULES)
+    return {"conv"} | ({"linear_attention"} if gated_delta else set())
+
+
+class StateLayer(LinearAttentionLayer):
+    """A recurrent / convolution layer's states per row, for our loop: every forward records, per
+    row, its states after the columns its `StatePlan` names (`recorded`: (kind, index) ->
+    [n, span, *state]); `settle` makes one of them each row's state, and while a speculative region
+    is open the recordings are kept, so `step_back` can return a row to the state after any of its
+    region tokens. `crop` (slots) leaves states alone."""
+
+    def __init__(self, number_of_states: int = 1):
+        super().__init__(number_of_states=number_of_states)
+        self.record_past = True       # every forward passes its conv inputs to update_conv_state
+        self.recorded: dict[tuple[str, int], torch.Tensor] = {}
+        self.region: list[tuple[dict, torch.Tensor]] = []    # (recording, row b's region token at its index 0)
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        size = conv_kernel_size or self.conv_kernel_size[state_idx]
+        if self.has_previous_state[state_idx]:
+            state = self.conv_states[state_idx]
+        else:
+            state = conv_states.new_zeros(*conv_states.shape[:-1], size)
+            self.conv_kernel_size[state_idx], self.dtype, self.device = size, conv_states.dtype, conv_states.device
+        full = torch.cat([state, conv_states], dim=-1)                          # [n, channels, size + w]
+        per_column = full.unfold(-1, size, 1).movedim(2, 1)                    # [n, w + 1, channels, size]
+        self.recorded["conv", state_idx] = _recording.plan.pick(per_column)
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        states = getattr(_recording, "states", None)
+        if states is None:
+            raise RuntimeError("a recurrent layer's rule did not record its states per token (its kind is not one "
+                               "hf_specdec rolls back)")
+        self.recorded["recurrent", state_idx], _recording.states = states, None
+        return recurrent_states
+
+    def settle(self, index: torch.Tensor, region_first: torch.Tensor | None) -> None:
+        """After a forward: row b's states become the recorded ones at index[b] [n]; with a region
+        open, the recording is kept, its index 0 being row b's region token region_first[b]."""
+        rows = torch.arange(len(index), device=index.device)
+        self._set({key: recorded[rows, index] for key, recorded in self.recorded.items()})
+        if region_first is not None:
+            self.region.append((self.recorded, region_first))
+        self.recorded = {}
+
+    def step_back(self, tokens: torch.Tensor) -> None:
+        """Row b's states after its region token tokens[b] [n] (0: the state where the region
+        began); the region closes."""
+        chosen = {}
+        for recorded, first in self.region:
+            index = tokens - first
+            valid = (index >= 0) & (index < next(iter(recorded.values())).shape[1])
+            rows = torch.arange(len(index), device=index.device)
+            for key, states in recorded.items():
+                picked = states[rows, index.clamp(0, states.shape[1] - 1)]
+                mask = valid.view(-1, *[1] * (picked.ndim - 1))
+                chosen[key] = torch.where(mask, picked, chosen[key]) if key in chosen else picked
+        self._set(chosen)
+        self.region = []
+
+    def _set(self, states: dict) -> None:
+        for (kind, i), state in states.items():
+            getattr(self, f"{kind}_states")[i] = state
+            getattr(self, f"is_{kind}_states_initialized")[i] = True
+            self.has_previous_state[i] = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Slots are K/V's: a state steps back by `step_back`."""
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+        self.region = [({key: s[indices] for key, s in recorded.items()}, first[indices])
+                       for recorded, first in self.region]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = next((s.shape[0] for s in (*self.conv_states.values(), *self.recurrent_states.values())
+                     if s is not None), None)
+        if rows is not None:
+            self.reorder_cache(torch.arange(rows, device=self.device).repeat_interleave(repeats))
+
+    def append(self, other: "StateLayer", rows: int, other_rows: int) -> None:
+        """Take `other`'s rows after these (a side without states yet starts from zeros)."""
+        for kind in ("conv", "recurrent"):
+            mine, theirs = getattr(self, f"{kind}_states"), getattr(other, f"{kind}_states")
+            for i in range(self.number_of_states):
+                like = mine[i] if mine[i] is not None else theirs[i]
+                if like is None:
+                    continue
+                parts = [s if s is not None else like.new_zeros(n, *like.shape[1:])
+                         for s, n in ((mine[i], rows), (theirs[i], other_rows))]
+                self._set({(kind, i): torch.cat(parts)})
+                self.conv_kernel_size[i] = self.conv_kernel_size[i] or other.conv_kernel_size[i]
+
+
+def state_layers(cache) -> list[StateLayer]:
+    return [layer for layer in cache.layers if isinstance(layer, StateLayer)]
+
+
+def _recording_rule(original, recurrent_rule):
+    """A Gated DeltaNet rule that, in a forward recording states (`recording_states`), runs the
+    recurrent form token by token (what plain decoding runs, one token a forward) and keeps the
+    states its StatePlan names for `StateLayer.update_recurrent_state`; `original` otherwise."""
+    @functools.wraps(original)
+    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **kwargs):
+        plan = getattr(_recording, "plan", None)
+        if plan is None:
+            return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
+        n, w = query.shape[:2]
+        state = initial_state
+        if state is None:      # (the rules' own zero state: [n, value heads, key dim, value dim])
+            state = torch.zeros(n, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32,
+                                device=value.device)
+        kept = state.new_empty(n, plan.span, *state.shape[1:])
+        outputs = []
+        for column in range(-1, w):
+            if column >= 0:
+                one = slice(column, column + 1)
+                out, state = recurrent_rule(query[:, one], key[:, one], value[:, one], g=g[:, one], beta=beta[:, one],
+                                            initial_state=state, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                outputs.append(out)
+            rows = [b for b, lo in enumerate(plan.lo) if 0 <= column - lo < plan.span]
+            if rows:
+                index = torch.tensor(rows, device=state.device)
+                kept[index, torch.tensor([column - plan.lo[b] for b in rows], device=state.device)] = state[index]
+        _recording.states = kept
+        return torch.cat(outputs, 1), state
+    rule.hf_specdec_original = original
+    return rule
+
+
+@contextlib.contextmanager
+def recording_states(model: torch.nn.Module, plan: StatePlan):
+    """While open, this thread's forwards of `model` record the states `plan` names in its cache's
+    StateLayers: for Gated DeltaNet layers, through their modeling module's rules, wrapped while
+    any thread records (a forward of another thread, or not recording, runs the rules as they are)."""
+    name = type(model).__module__
+    module = sys.modules[name]
+    gated_delta = all(callable(getattr(module, rule, None)) for rule in _GDN_RULES)
+    if gated_delta:
+        with _rules_lock:
+            if not _rules_installed.get(name):
+                recurrent = getattr(module, _GDN_RULES[1])
+                for rule in _GDN_RULES:
+                    setattr(module, rule, _recording_rule(getattr(module, rule), recurrent))
+            _rules_installed[name] = _rules_installed.get(name, 0) + 1
+    outer, _recording.plan = getattr(_recording, "plan", None), plan
+    try:
+        yield
+    finally:
+        _recording.plan, _recording.states = outer, None
+        if gated_delta:
+            with _rules_lock:
+                _rules_installed[name] -= 1
+                if not _rules_installed[name]:
+                    for rule in _GDN_RULES:
+                        setattr(module, rule, getattr(module, rule).hf_specdec_original)
 
 
 def slot_cache_inputs_missing(model: torch.nn.Module) -> str | None:
@@ -283,8 +498,9 @@ def set_static_length(cache, length: int) -> None:
 
 
 def _storing(cache) -> list:
-    """The layers of `cache` that keep K/V of their own (not a KV-sharing layer's `DummyLayer`)."""
-    return [layer for layer in cache.layers if not isinstance(layer, DummyLayer)]
+    """The layers of `cache` that keep K/V of their own (not a KV-sharing layer's `DummyLayer`, nor
+    a recurrent layer's states)."""
+    return [layer for layer in cache.layers if not isinstance(layer, (DummyLayer, StateLayer))]
 
 
 def static_layers(cache) -> list:
@@ -320,6 +536,9 @@ def append_rows(cache: DynamicCache, rows: int, other: DynamicCache, other_rows:
     """Append the `other_rows` rows of `other` to the `rows` rows of `cache` (batch dimension).
     The cache with fewer slots is left-padded with zero slots, which callers mask as holes; a
     cache without slots yet contributes only such padding."""
+    for layer, extra in zip(state_layers(cache), state_layers(other)):
+        layer.append(extra, rows, other_rows)
+
     def filled(layer):
         return layer.is_initialized and layer.keys.numel() > 0
     for layer, extra in zip(_storing(cache), _storing(other)):

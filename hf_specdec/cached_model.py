@@ -25,6 +25,7 @@ from . import _compat
 from .rows import RowInts
 from .sequences import SequenceBatch
 from .slots import DynamicSlots, StaticSlots
+from .states import RowStates
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class CachedModel:
         # real positions: slots may be holes), so the model gets 4-D masks (`model_mask`)
         self.window = _compat.sliding_window(model)
         self.full_layers_too = any(kind == "full_attention" for kind, _ in _compat.layer_kinds(model))
+        # recurrent / convolution layers keep states per row, not slots (states.py)
+        self.stateful = bool(_compat.state_kinds(model))
+        self.states = None
         self.slots = None
         self.forwards = 0   # in this generate() call
         # for a drafter that reads the target's states (`keeps_hidden`, set by it): per row, the
@@ -66,6 +70,7 @@ class CachedModel:
         else:
             self.slots = DynamicSlots(self.model, n, self.device)
         self.static = batch.static_cache
+        self.states = RowStates(self.model) if self.stateful else None
         self.last_hidden = None
         self.num_real = RowInts.full(n, 0, self.device)     # [n] real slots per row (host copy: `holes`)
         # [n] buffer tokens in the cache (on the buffer's device)
@@ -146,6 +151,10 @@ class CachedModel:
         """
         out_device, n = tokens.device, tokens.shape[0]
         width = tokens.shape[1]
+        arranged = None
+        if self.states is not None:       # each row's real tokens first, its states recorded
+            real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if real is None else real
+            tokens, real, arranged = self.states.arrange(tokens.to(self.device), real.to(self.device), self.num_slots)
         if real is None:        # (a drafter's one-token forwards: their positions in the fewest ops)
             real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
             positions = self.num_real.tensor[:, None]
@@ -158,7 +167,13 @@ class CachedModel:
             self.num_real = RowInts(self.num_real.tensor + real.sum(1), None if counts is None or self.num_real.host is None
                                     else [a + b for a, b in zip(self.num_real.host, counts)])
         tokens = tokens.to(self.device)
-        logits = self.slots.forward(self, tokens, real, positions, keep)
+        if arranged is None:
+            logits = self.slots.forward(self, tokens, real, positions, keep)
+        else:
+            with _compat.recording_states(self.model, arranged.plan):
+                logits = self.slots.forward(self, tokens, real, positions, arranged.keep(keep))
+            logits = arranged.logits(logits, width, keep)
+            self.states.settle(self.slots.cache, arranged)
         self.forwards += 1
         if self.keeps_hidden:
             self._keep_hidden(real, keep)
@@ -211,7 +226,10 @@ class CachedModel:
         footprint: a compiled cache pads each forward, and a compaction, which moves slots, must
         not happen inside the region); the region starts after the lead."""
         self.slots.reserve(lead + width)
-        return SpecRegion(start=self.num_slots + lead, moves=self.slots.moves)
+        region = SpecRegion(start=self.num_slots + lead, moves=self.slots.moves)
+        if self.states is not None:
+            self.states.open_region(region.start, len(self.num_real), self.device)
+        return region
 
     def rollback(self, region: SpecRegion, kept: RowInts, spec_real: list[int] | None) -> None:
         """Of the slots of `region`, row b keeps its first `kept[b]`, of its `spec_real[b]` real
@@ -224,9 +242,14 @@ class CachedModel:
             raise RuntimeError("a speculative region's slots moved (the cache was compacted inside it): "
                                "its footprint was not reserved")
         spec_start = region.start
+        keep = kept.tensor.to(self.device)
+        if self.states is not None:       # each row's states step back, its last slots become holes
+            self.num_real = self.num_real - RowInts(self.states.rollback(self.slots.cache, self.slot_mask, keep))
+            self.fed = self.fed + kept
+            self._crop_holes(None if kept.host is None else spec_start + kept.max())
+            return
         if spec_start == self.num_slots:      # nothing speculative (k = 0): nothing to undo
             return
-        keep = kept.tensor.to(self.device)
         dropped = None if spec_real is None or kept.host is None else [max(0, r - k) for r, k in zip(spec_real, kept.host)]
         if dropped is not None and self.num_real.host is not None and len(set(kept.host)) == 1:
             # every row keeps as many (batch 1, even acceptance): all slots from there on go (fewer ops)
@@ -250,6 +273,9 @@ class CachedModel:
         drop = (self.fed.tensor - ends).clamp(min=0)                             # [n]
         if not bool(drop.any()):
             return
+        if self.states is not None:
+            raise ValueError(f"{type(self.model).__name__}'s recurrent states cannot forget tokens before its last "
+                             "speculative step (a hierarchy's lower drafter): use it as a drafter of its own")
         slots = self.slot_mask
         after = slots.flip(1).long().cumsum(1).flip(1)             # [n, slots]: real slots at or after s
         kill = slots & (after <= drop.to(self.device)[:, None])
@@ -298,6 +324,8 @@ class CachedModel:
         """Keep rows `keep` (indices into the current active rows) — finished rows cost nothing more."""
         on_device = keep.tensor.to(self.device)
         self.slots.select_rows(on_device)
+        if self.states is not None:
+            self.states.select_rows(on_device)
         self.num_real = self.num_real[RowInts(on_device, keep.host)]
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[on_device]

@@ -1,0 +1,103 @@
+"""Recurrent and convolution layers (hybrid models: Gated DeltaNet, short convolutions) in a
+`CachedModel`: per row, a state instead of K/V slots.
+
+A slot can be masked out after the fact; a state cannot: a hole that passed through a recurrence
+changed it, and a rejected draft is in it. So each forward of such a model
+  - puts each row's real tokens first (`arrange`): holes come after a row's last real token, where
+    they change nothing the row keeps;
+  - records, per row, its states after the columns it may return to (`StatePlan`; in
+    `_compat.StateLayer`): its last real token, and while a speculative region is open every
+    token from where the region begins (the k + 1 positions of a verification; vLLM keeps one
+    state slot per speculative position too);
+  - `settle`s each row on the state after its last real token.
+A rollback returns each row to the state after its own accepted tokens (`step_back`), and turns
+its rejected slots of the attention layers into holes (its last ones: the layout per row moved).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _compat
+
+
+@dataclass(frozen=True)
+class Arranged:
+    """A forward's columns rearranged so each row's real tokens come first."""
+
+    order: torch.Tensor | None     # [n, w]: the given column at each column (None: as given)
+    plan: _compat.StatePlan        # the states each row keeps
+    settle_at: torch.Tensor        # [n]: index (in the plan's span) of each row's last real token
+    region_first: torch.Tensor | None   # [n]: row b's region token at the plan's first column
+    holes: int                     # the most holes of a row
+
+    def keep(self, keep: int) -> int:
+        """Columns of logits the arranged forward computes for the last `keep` given ones."""
+        return keep if self.order is None else keep + self.holes
+
+    def logits(self, logits: torch.Tensor, width: int, keep: int) -> torch.Tensor:
+        """Logits of the last `keep` given columns [n, keep, ...], from those of the last columns
+        of the arranged forward [n, >= keep, ...] (a hole's column: any row's logits)."""
+        if self.order is None:
+            return logits[:, -keep:]
+        back = self.order.argsort(1)[:, width - keep:] - (width - logits.shape[1])      # [n, keep]
+        return logits.gather(1, back.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+class RowStates:
+    """The recurrent / convolution states of one CachedModel's rows, and its open region."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.region_start: int | None = None     # the open region's first slot
+        self.region_tokens: torch.Tensor | None = None     # [n] real tokens each row fed in it
+
+    def arrange(self, tokens: torch.Tensor, real: torch.Tensor, slots_before: int
+                ) -> tuple[torch.Tensor, torch.Tensor, Arranged]:
+        """tokens, real [n, w] with each row's real tokens first, and what the forward keeps."""
+        n, width = real.shape
+        lead = 0 if self.region_start is None else max(0, min(width, self.region_start - slots_before))
+        lead_real = real[:, :lead].sum(1)                                     # [n] before the region
+        order = None
+        if width > 1 and bool((~real[:, :-1] & real[:, 1:]).any()):          # a hole before a real token
+            order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices
+            tokens, real = tokens.gather(1, order), real.gather(1, order)
+        count = real.sum(1)                                                   # [n]
+        if self.region_start is None:          # only each row's last real token (or its state before)
+            lo, region_first = count - 1, None
+        else:                                  # from where the region begins to its last real token
+            lo, region_first = lead_real - 1, self.region_tokens
+            self.region_tokens = self.region_tokens + count - lead_real
+        settle_at = count - 1 - lo
+        lo_host = lo.tolist()
+        plan = _compat.StatePlan(lo=lo_host, span=int(settle_at.max()) + 1 if n else 1)
+        holes = width - int(count.min()) if n else 0
+        return tokens, real, Arranged(order, plan, settle_at, region_first, holes)
+
+    def settle(self, cache, arranged: Arranged) -> None:
+        for layer in _compat.state_layers(cache):
+            layer.settle(arranged.settle_at, arranged.region_first)
+
+    def open_region(self, start: int, rows: int, device) -> None:
+        self.region_start, self.region_tokens = start, torch.zeros(rows, dtype=torch.long, device=device)
+
+    def rollback(self, cache, slot_mask: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Row b keeps the first kept[b] [n] of its region tokens: its states step back there and its
+        other region slots become holes (in `slot_mask` [n, slots], in place). The region closes.
+        Returns the slots dropped per row [n]."""
+        for layer in _compat.state_layers(cache):
+            layer.step_back(kept)
+        drop = self.region_tokens - kept                                       # [n]
+        after = slot_mask.flip(1).long().cumsum(1).flip(1)                    # real slots at or after each
+        dropped = slot_mask & (after <= drop[:, None])
+        slot_mask &= ~dropped
+        self.region_start = self.region_tokens = None
+        return dropped.sum(1)
+
+    def close_region(self) -> None:
+        self.region_start = self.region_tokens = None
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        if self.region_tokens is not None:
+            self.region_tokens = self.region_tokens[keep]
