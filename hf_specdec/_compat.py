@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 SUPPORTED_TRANSFORMERS = ">=5.23,<6"
@@ -80,6 +80,19 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
     return cache
 
 
+def cache_in_use(cache) -> bool:
+    """Whether a cache someone handed us holds anything: K/V slots, or a recurrent layer's states
+    (`get_seq_length` refuses a cache of those alone)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return cache.get_seq_length() > 0
+    def used(layer) -> bool:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            return any(layer.has_previous_state.values())
+        return not isinstance(layer, DummyLayer) and layer.is_initialized and layer.get_seq_length() > 0
+    return any(used(layer) for layer in layers)
+
+
 def new_static_cache(model: torch.nn.Module, capacity: int):
     """An empty preallocated KV cache of `capacity` slots per row (Transformers' StaticCache,
     allocated at its first write), every layer a full one (sliding windows: as `new_cache`)."""
@@ -121,6 +134,8 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
     # "dummy": a layer that reads another layer's K/V (Gemma 4's KV sharing) and keeps none
     other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention", "dummy"}
                    - _runnable_state_kinds(model))
+    if "linear_attention" in other:      # (Mamba's cache layers are linear_attention too)
+        return "stateful (linear_attention, not Gated DeltaNet)"
     if other:
         return f"{other[0]}"
     if getattr(model, "_is_stateful", False) and not state_kinds(model):

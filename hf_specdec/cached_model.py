@@ -219,6 +219,8 @@ class CachedModel:
         masks = window_masks(self.model, slots, positions, self.window)
         if self.window is None:
             return masks["full_attention"]
+        if self.stateful:       # a recurrent layer's: none (each row's holes come after its real tokens)
+            return masks | dict.fromkeys(_compat.state_kinds(self.model))
         return masks if self.full_layers_too else masks["sliding_attention"]
 
     def open_region(self, lead: int, width: int) -> SpecRegion:

@@ -249,6 +249,10 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
             raise ValueError(f"{name} ({type(one).__name__}) has {layers} layers, in which hf_specdec cannot roll "
                              "back a rejected draft (it masks cache slots); with enable(model), assistant_model= "
                              "runs it in Transformers' own assisted generation (batch 1)")
+        kinds = _compat.state_kinds(one)
+        if static and kinds:
+            raise ValueError(f"{name} ({type(one).__name__}) has {sorted(kinds)[0]} layers, whose states hf_specdec keeps "
+                             "per row on the default cache only; cache_implementation='static' is not supported with it")
         attention = _compat.attn_implementation(one)
         if compiling and attention not in GRAPHABLE_ATTENTION:
             raise ValueError(f"cache_implementation='static' compiles every model's decoding forward into CUDA graphs, "
@@ -289,7 +293,7 @@ def _check_inputs(model, input_ids, generation_config: GenerationConfig, model_k
         raise ValueError(f"model inputs {unknown} are not supported with speculative decoding; "
                          "pass input_ids and attention_mask only")
     cache = _compat.cache_from_model_kwargs(model_kwargs)
-    if cache is not None and cache.get_seq_length() > 0:
+    if cache is not None and _compat.cache_in_use(cache):
         raise ValueError("a KV cache with content (cache= / past_key_values=) is not supported: hf_specdec "
                          "builds its own caches")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:

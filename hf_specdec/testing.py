@@ -108,6 +108,10 @@ def layer_skip_pair(upper_scale: float, layers: int = 8, hidden: int = 384, voca
 QWEN2_SIZES = {"0.5b": (896, 24, 14, 2, 4864), "1.5b": (1536, 28, 12, 2, 8960), "7b": (3584, 28, 28, 4, 18944),
                "toy": (64, 2, 4, 2, 128)}
 QWEN2_VOCAB = 151936
+# Qwen3.5-style hybrids (hidden, layers, attention heads, key/value heads, MLP width, Gated DeltaNet
+# heads, their head dim): three Gated DeltaNet layers to one attention layer, as Qwen3.5's
+HYBRID_SIZES = {"hybrid-0.3b": (1024, 12, 8, 2, 3584, 16, 128), "hybrid-draft": (512, 4, 4, 2, 1792, 8, 64),
+                "hybrid-toy": (64, 4, 4, 2, 128, 2, 16)}
 
 
 def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: int = 0, device=None,
@@ -123,6 +127,8 @@ def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: 
     input embedding row x is row x+1, so it proposes x+2 there, which the target rejects; per-token
     acceptance is then about alpha. Models built with the same `seed` and size share embeddings."""
     from transformers import AutoModelForCausalLM
+    if size in HYBRID_SIZES:
+        return _circle(_hybrid(size, vocab, device, dtype), alpha, seed)
     hidden, layers, heads, kv_heads, mlp = QWEN2_SIZES[size]
     # sliding_window: Gemma 3's layer pattern, five sliding-window layers to one full one (the
     # window changes no output here, as attention's output projection is zero: only the costs)
@@ -137,12 +143,31 @@ def circle_model(size: str, vocab: int = QWEN2_VOCAB, alpha: float = 1.0, seed: 
     device = torch.device(device or "cpu")
     with torch.device(device):                      # built where it runs, in its dtype: 7B in seconds on a GPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _circle(model, alpha, seed)
+
+
+def _hybrid(size: str, vocab: int, device, dtype) -> torch.nn.Module:
+    """A Qwen3.5 text model of `HYBRID_SIZES[size]`, random weights."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    hidden, layers, heads, kv_heads, mlp, linear_heads, linear_dim = HYBRID_SIZES[size]
+    config = Qwen3_5TextConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden // heads, intermediate_size=mlp, vocab_size=vocab, linear_num_key_heads=linear_heads,
+        linear_num_value_heads=linear_heads, linear_key_head_dim=linear_dim, linear_value_head_dim=linear_dim,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.device(torch.device(device or "cpu")):
+        return Qwen3_5ForCausalLM(config).to(dtype)
+
+
+def _circle(model: torch.nn.Module, alpha: float, seed: int) -> torch.nn.Module:
+    """`model` rewired as a circle model (`circle_model`): every layer's output projections zero."""
     set_circle_alpha(model, alpha, seed)
     with torch.no_grad():
         model.lm_head.weight.copy_(_circle_rows(model, seed).roll(1, dims=0))     # row v = row v-1
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        for name, module in model.model.layers.named_modules():
+            if name.endswith(("o_proj", "out_proj", "down_proj")):
+                module.weight.zero_()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model.eval()
