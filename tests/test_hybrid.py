@@ -82,10 +82,17 @@ def _sampled(target, draft, prompt, seed):
 
 @pytest.fixture(scope="module")
 def gated_delta_net():
-    """A Gated DeltaNet hybrid over 6 tokens with a spread-out next-token distribution."""
+    """A Gated DeltaNet hybrid over 6 tokens with a spread-out next-token distribution that the
+    recurrent layer's state decides (its weights scaled up, the attention layer's output zero)."""
     target = tiny_stateful("qwen3_5_text", vocab=SMALL_VOCAB)
     with torch.no_grad():
-        target.lm_head.weight.mul_(40)
+        target.lm_head.weight.mul_(10)
+        for layer in target.model.layers:
+            if hasattr(layer, "linear_attn"):
+                for name, weight in layer.linear_attn.named_parameters():
+                    weight.mul_(6 if name.startswith(("in_proj", "conv1d")) else 2 if name.startswith("out_proj") else 1)
+            else:
+                layer.self_attn.o_proj.weight.zero_()
     prompt = torch.tensor([[3, 5, 4, 3]])
     return target, noisy_copy(target, 0.5, seed=1), prompt, exact_distribution(target, prompt, 2, SAMPLING)
 
