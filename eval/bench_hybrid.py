@@ -48,10 +48,8 @@ def forward_ms(model, prompt: torch.Tensor, width: int, ours: bool, repeats: int
             start = time.perf_counter()
             with _compat.recording_states(model, plans[i]) if ours else contextlib.nullcontext():
                 model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
-            if ours:
-                index = torch.full((rows,), plans[i].span - 1)
-                for layer in _compat.state_layers(cache):
-                    layer.settle(index, None)
+                for layer in _compat.state_layers(cache) if ours else ():
+                    layer.settle(torch.full((rows,), plans[i].span - 1), None)
         times.append(time.perf_counter() - start)
     return round(1e3 * statistics.median(times[1:]), 1)
 

@@ -135,7 +135,7 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
     other = sorted({kind for kind, _ in kinds} - {"full_attention", "sliding_attention", "dummy"}
                    - _runnable_state_kinds(model))
     if "linear_attention" in other:      # (Mamba's cache layers are linear_attention too)
-        return "stateful (linear_attention, not Gated DeltaNet)"
+        return "stateful (linear_attention, not Gated DeltaNet or Mamba-2)"
     if other:
         return f"{other[0]}"
     if getattr(model, "_is_stateful", False) and not state_kinds(model):
@@ -175,11 +175,9 @@ def _refuse_unsupported(model: torch.nn.Module) -> None:
 # `get_recurrent_state`, passes each forward's conv inputs [n, channels, w] to `update_conv_state`
 # (which returns them after the state: the causal conv's left context) and its final recurrent state
 # to `update_recurrent_state`; with `record_past` it never takes its one-token path (a conv state
-# updated in place). A Gated DeltaNet layer's recurrence is the module-level function
-# `torch_chunk_gated_delta_rule` (several tokens) or `torch_recurrent_gated_delta_rule` (one) of
-# its modeling module, which the mixer calls by name.
-_GDN_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-_recording = threading.local()        # .plan: this thread's StatePlan during a forward; .states: the last rule's
+# updated in place). The recurrence is a module-level function of its modeling module, which the mixer
+# calls by name: one for several tokens, one for a token (what plain decoding runs) (`_RULES`).
+_recording = threading.local()   # this thread's forward: .plan (StatePlan), .states (the last rule's), .in_place
 _rules_lock = threading.Lock()
 _rules_installed: dict[str, int] = {}   # modeling module -> forwards recording through its wrapped rules
 
@@ -192,6 +190,11 @@ class StatePlan:
     lo: list[int]
     span: int
 
+    def keeper(self, before: torch.Tensor) -> "_Keeper":
+        """What collects, column by column, the states this plan names, `before` (the state before
+        the forward) being column -1."""
+        return _Keeper(self, before)
+
     def pick(self, per_column: torch.Tensor) -> torch.Tensor:
         """Of states after each column -1 .. w - 1 [n, w + 1, *state], the kept ones [n, span, *state]."""
         n, columns = per_column.shape[:2]
@@ -200,17 +203,31 @@ class StatePlan:
         return per_column[torch.arange(n, device=lo.device)[:, None], index]
 
 
+class _Keeper:
+    """A recurrence's states kept per row as its StatePlan names: `kept` [n, span, *state]."""
+
+    def __init__(self, plan: StatePlan, before: torch.Tensor):
+        self.plan = plan
+        self.kept = before.new_empty(len(plan.lo), plan.span, *before.shape[1:])
+        self(-1, before)
+
+    def __call__(self, column: int, state: torch.Tensor) -> None:
+        """The state after `column` [n, *state] (a copy is kept: rules may update it in place)."""
+        rows = [b for b, lo in enumerate(self.plan.lo) if 0 <= column - lo < self.plan.span]
+        if rows:
+            index = torch.tensor(rows, device=state.device)
+            self.kept[index, torch.tensor([column - self.plan.lo[b] for b in rows], device=state.device)] = state[index]
+
+
 def state_kinds(model: torch.nn.Module) -> set[str]:
     """The layer kinds of `model` that keep a recurrent or convolution state (not K/V)."""
     return {kind for kind, _ in layer_kinds(model)} - {"full_attention", "sliding_attention", "chunked_attention", "dummy"}
 
 
 def _runnable_state_kinds(model: torch.nn.Module) -> set[str]:
-    """The state kinds our loop rolls back per row: short convolutions, and Gated DeltaNet linear
-    attention (its modeling module's rules, which `recording_states` wraps)."""
-    module = sys.modules[type(model).__module__]
-    gated_delta = all(callable(getattr(module, name, None)) for name in _GDN_RULES)
-    return {"conv"} | ({"linear_attention"} if gated_delta else set())
+    """The state kinds our loop rolls back per row: short convolutions, and recurrent layers whose
+    modeling module has rules `recording_states` wraps (Gated DeltaNet, Mamba-2)."""
+    return {"conv"} | ({"linear_attention"} if _rules_of(model) else set())
 
 
 class StateLayer(LinearAttentionLayer):
@@ -248,8 +265,13 @@ class StateLayer(LinearAttentionLayer):
         return recurrent_states
 
     def settle(self, index: torch.Tensor, region_first: torch.Tensor | None) -> None:
-        """After a forward: row b's states become the recorded ones at index[b] [n]; with a region
-        open, the recording is kept, its index 0 being row b's region token region_first[b]."""
+        """After a forward (within its `recording_states`): row b's states become the recorded ones
+        at index[b] [n]; with a region open, the recording is kept, its index 0 being row b's region
+        token region_first[b]."""
+        for state, kept in _recording.in_place:         # a one-token update made in place (Mamba-2's)
+            for i, current in self.recurrent_states.items():
+                if current is state:
+                    self.recorded["recurrent", i] = kept
         rows = torch.arange(len(index), device=index.device)
         self._set({key: recorded[rows, index] for key, recorded in self.recorded.items()})
         if region_first is not None:
@@ -309,68 +331,122 @@ def state_layers(cache) -> list[StateLayer]:
     return [layer for layer in cache.layers if isinstance(layer, StateLayer)]
 
 
-def _recording_rule(original, recurrent_rule):
-    """A Gated DeltaNet rule that, in a forward recording states (`recording_states`), runs the
-    recurrent form token by token (what plain decoding runs, one token a forward) and keeps the
-    states its StatePlan names for `StateLayer.update_recurrent_state`; `original` otherwise."""
-    @functools.wraps(original)
+def _gated_delta_rule(several, one):
+    """Gated DeltaNet's rule for several tokens (`torch_chunk_gated_delta_rule`'s arguments) that,
+    in a forward recording states, runs `one` (`torch_recurrent_gated_delta_rule`) token by token and
+    keeps the states its StatePlan names for `StateLayer.update_recurrent_state`."""
+    @functools.wraps(several)
     def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, **kwargs):
         plan = getattr(_recording, "plan", None)
         if plan is None:
-            return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                            **kwargs)
+            return several(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                           output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                           **kwargs)
         n, w = query.shape[:2]
-        state = initial_state
-        if state is None:      # (the rules' own zero state: [n, value heads, key dim, value dim])
-            state = torch.zeros(n, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32,
-                                device=value.device)
-        kept = state.new_empty(n, plan.span, *state.shape[1:])
-        outputs = []
-        for column in range(-1, w):
-            if column >= 0:
-                one = slice(column, column + 1)
-                out, state = recurrent_rule(query[:, one], key[:, one], value[:, one], g=g[:, one], beta=beta[:, one],
-                                            initial_state=state, output_final_state=True,
-                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-                outputs.append(out)
-            rows = [b for b, lo in enumerate(plan.lo) if 0 <= column - lo < plan.span]
-            if rows:
-                index = torch.tensor(rows, device=state.device)
-                kept[index, torch.tensor([column - plan.lo[b] for b in rows], device=state.device)] = state[index]
-        _recording.states = kept
+        state = initial_state if initial_state is not None else torch.zeros(     # (the rules' own zero state)
+            n, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32, device=value.device)
+        outputs, keeper = [], plan.keeper(state)
+        for c in range(w):
+            token = slice(c, c + 1)
+            out, state = one(query[:, token], key[:, token], value[:, token], g=g[:, token], beta=beta[:, token],
+                             initial_state=state, output_final_state=True,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outputs.append(out)
+            keeper(c, state)
+        _recording.states = keeper.kept
         return torch.cat(outputs, 1), state
-    rule.hf_specdec_original = original
     return rule
+
+
+def _mamba2_scan(several, one):
+    """Mamba-2's scan for several tokens (`mamba2_chunk_scan`'s arguments) that, in a forward
+    recording states, runs `one` (`mamba2_selective_state_update`, as the mixer's one-token path
+    calls it) token by token, keeping the states its StatePlan names."""
+    @functools.wraps(several)
+    def scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        plan = getattr(_recording, "plan", None)
+        if plan is None:
+            return several(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
+                           dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, **kwargs)
+        n, w, heads, dim = hidden_states.shape
+        size = B.shape[-1]
+        state = (initial_states.clone() if initial_states is not None
+                 else torch.zeros(n, heads, dim, size, dtype=torch.float32, device=hidden_states.device))
+        outputs, keeper = [], plan.keeper(state)
+        for c in range(w):
+            outputs.append(one(state, hidden_states[:, c], dt[:, c, :, None].expand(-1, -1, dim),
+                               A[:, None, None].expand(-1, dim, size), B[:, c], C[:, c],
+                               None if D is None else D[:, None].expand(-1, dim), z=None,
+                               dt_bias=None if dt_bias is None else dt_bias[:, None].expand(-1, dim),
+                               dt_softplus=dt_softplus))          # (updates state in place)
+            keeper(c, state)
+        _recording.states = keeper.kept
+        out = torch.stack(outputs, 1)
+        return (out, state) if return_final_states else out
+    return scan
+
+
+def _mamba2_update(one):
+    """Mamba-2's one-token update as the mixer calls it on its cached state (in place, no
+    `update_recurrent_state`): in a forward recording states, the states its StatePlan names are
+    kept for that state's StateLayer (`_recording.in_place`)."""
+    @functools.wraps(one)
+    def update(state, *args, **kwargs):
+        plan = getattr(_recording, "plan", None)
+        if plan is None:
+            return one(state, *args, **kwargs)
+        keeper = plan.keeper(state)
+        out = one(state, *args, **kwargs)
+        keeper(0, state)
+        _recording.in_place.append((state, keeper.kept))
+        return out
+    return update
+
+
+# per recurrence: (its rule for several tokens, for one token), how to wrap each for recording
+_RULES = {"gated_delta": (("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+                          lambda several, one: (_gated_delta_rule(several, one), _gated_delta_rule(one, one))),
+          "mamba2": (("mamba2_chunk_scan", "mamba2_selective_state_update"),
+                     lambda several, one: (_mamba2_scan(several, one), _mamba2_update(one)))}
+
+
+def _rules_of(model: torch.nn.Module) -> str | None:
+    """Which recurrence of `_RULES` the modeling module of `model` defines (None: none)."""
+    module = sys.modules[type(model).__module__]
+    return next((kind for kind, (names, _) in _RULES.items()
+                 if all(callable(getattr(module, name, None)) for name in names)), None)
 
 
 @contextlib.contextmanager
 def recording_states(model: torch.nn.Module, plan: StatePlan):
     """While open, this thread's forwards of `model` record the states `plan` names in its cache's
-    StateLayers: for Gated DeltaNet layers, through their modeling module's rules, wrapped while
-    any thread records (a forward of another thread, or not recording, runs the rules as they are)."""
-    name = type(model).__module__
+    StateLayers, through its modeling module's recurrence rules, wrapped while any thread records
+    (a forward of another thread, or not recording, runs the rules as they are)."""
+    name, kind = type(model).__module__, _rules_of(model)
     module = sys.modules[name]
-    gated_delta = all(callable(getattr(module, rule, None)) for rule in _GDN_RULES)
-    if gated_delta:
+    if kind:
+        names, wrap = _RULES[kind]
         with _rules_lock:
             if not _rules_installed.get(name):
-                recurrent = getattr(module, _GDN_RULES[1])
-                for rule in _GDN_RULES:
-                    setattr(module, rule, _recording_rule(getattr(module, rule), recurrent))
+                originals = [getattr(module, n) for n in names]
+                for n, original, wrapped in zip(names, originals, wrap(*originals)):
+                    wrapped.hf_specdec_original = original
+                    setattr(module, n, wrapped)
             _rules_installed[name] = _rules_installed.get(name, 0) + 1
-    outer, _recording.plan = getattr(_recording, "plan", None), plan
+    outer = getattr(_recording, "plan", None), getattr(_recording, "in_place", None)
+    _recording.plan, _recording.in_place = plan, []
     try:
         yield
     finally:
-        _recording.plan, _recording.states = outer, None
-        if gated_delta:
+        (_recording.plan, _recording.in_place), _recording.states = outer, None
+        if kind:
             with _rules_lock:
                 _rules_installed[name] -= 1
                 if not _rules_installed[name]:
-                    for rule in _GDN_RULES:
-                        setattr(module, rule, getattr(module, rule).hf_specdec_original)
+                    for n in names:
+                        setattr(module, n, getattr(module, n).hf_specdec_original)
 
 
 def slot_cache_inputs_missing(model: torch.nn.Module) -> str | None:

@@ -172,8 +172,8 @@ class CachedModel:
         else:
             with _compat.recording_states(self.model, arranged.plan):
                 logits = self.slots.forward(self, tokens, real, positions, arranged.keep(keep))
+                self.states.settle(self.slots.cache, arranged)
             logits = arranged.logits(logits, width, keep)
-            self.states.settle(self.slots.cache, arranged)
         self.forwards += 1
         if self.keeps_hidden:
             self._keep_hidden(real, keep)

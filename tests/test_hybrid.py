@@ -53,7 +53,7 @@ def test_every_stateful_type_runs_identical_to_plain_or_is_refused_naming_its_la
             assert torch.equal(out, plain), (model_type, rows, "lookup")
         ran[model_type] = sorted(_compat.state_kinds(target))
     logger.info("stateful types run: %s; refused: %s", ran, refused)
-    assert {"qwen3_5_text", "lfm2"} <= set(ran), ran
+    assert {"qwen3_5_text", "nemotron_h", "lfm2"} <= set(ran), ran     # Gated DeltaNet, Mamba-2, convolution
 
 
 def test_a_static_cache_is_refused_for_a_hybrid_before_any_work():
@@ -80,33 +80,34 @@ def _sampled(target, draft, prompt, seed):
     return counts / N
 
 
-@pytest.fixture(scope="module")
-def gated_delta_net():
-    """A Gated DeltaNet hybrid over 6 tokens with a spread-out next-token distribution that the
-    recurrent layer's state decides (its weights scaled up, the attention layer's output zero)."""
-    target = tiny_stateful("qwen3_5_text", vocab=SMALL_VOCAB)
+@pytest.fixture(scope="module", params=["qwen3_5_text", "nemotron_h"])      # Gated DeltaNet, Mamba-2
+def hybrid(request):
+    """A hybrid over 6 tokens with a spread-out next-token distribution that its recurrent layers'
+    states decide (their weights scaled up, the attention layers' output zero)."""
+    target = tiny_stateful(request.param, vocab=SMALL_VOCAB)
     with torch.no_grad():
         target.lm_head.weight.mul_(10)
-        for layer in target.model.layers:
-            if hasattr(layer, "linear_attn"):
-                for name, weight in layer.linear_attn.named_parameters():
-                    weight.mul_(6 if name.startswith(("in_proj", "conv1d")) else 2 if name.startswith("out_proj") else 1)
-            else:
-                layer.self_attn.o_proj.weight.zero_()
+        for name, module in target.named_modules():
+            if hasattr(module, "conv1d"):            # a recurrent mixer
+                for weight_name, weight in module.named_parameters():
+                    weight.mul_(6 if weight_name.startswith(("in_proj", "conv1d")) else
+                                2 if weight_name.startswith("out_proj") else 1)
+            elif name.endswith("o_proj"):
+                module.weight.zero_()
     prompt = torch.tensor([[3, 5, 4, 3]])
     return target, noisy_copy(target, 0.5, seed=1), prompt, exact_distribution(target, prompt, 2, SAMPLING)
 
 
-def test_sampling_from_a_gated_deltanet_target_keeps_its_distribution(gated_delta_net):
-    target, draft, prompt, exact = gated_delta_net
+def test_sampling_from_a_hybrid_target_keeps_its_distribution(hybrid):
+    target, draft, prompt, exact = hybrid
     assert exact.max() < 0.5                    # (not one near-certain path)
     tv = 0.5 * (_sampled(target, draft, prompt, seed=1) - exact).abs().sum()
     assert tv < TV_BOUND, f"TV {tv:.4f}"
 
 
-def test_negative_control_states_that_do_not_step_back_are_caught(gated_delta_net, monkeypatch):
+def test_negative_control_states_that_do_not_step_back_are_caught(hybrid, monkeypatch):
     """The same test with a rollback that keeps each row's states after its rejected draft."""
-    target, draft, prompt, exact = gated_delta_net
+    target, draft, prompt, exact = hybrid
     monkeypatch.setattr(_compat.StateLayer, "step_back", lambda self, tokens: setattr(self, "region", []))
     tv = 0.5 * (_sampled(target, draft, prompt, seed=1) - exact).abs().sum()
     assert tv > 3 * TV_BOUND, f"states that never step back went unnoticed (TV {tv:.4f})"
