@@ -30,26 +30,22 @@ from methods import MethodFactory, parse_methods
 from report import figure, method_bars
 
 from hf_specdec import _compat
+from hf_specdec.states import as_verification
 from hf_specdec.testing import circle_continuation, circle_model
 
 METHODS = "plain,fixed:4@draft,auto@draft"
 
 
 def forward_ms(model, prompt: torch.Tensor, width: int, ours: bool, repeats: int = 5) -> float:
-    """Median ms of a forward of `width` tokens after `prompt` [b, p] (a fresh cache each time)."""
+    """Median ms of a forward of `width` tokens after `prompt` [b, p] (a fresh cache each time):
+    Transformers' own (its DynamicCache), or as our verification runs it (`as_verification`)."""
     times = []
     for _ in range(repeats + 1):
         cache = _compat.new_cache(model) if ours else _compat.DynamicCache(config=model.config)
-        rows = prompt.shape[0]
-        steps = (prompt, prompt[:, -width:])
-        plans = (_compat.StatePlan(lo=[prompt.shape[1] - 1] * rows, span=1),
-                 _compat.StatePlan(lo=[-1] * rows, span=width + 1))
-        for i, ids in enumerate(steps):
+        for ids in (prompt, prompt[:, -width:]):
             start = time.perf_counter()
-            with _compat.recording_states(model, plans[i]) if ours else contextlib.nullcontext():
+            with as_verification(model, cache, len(ids), ids.shape[1]) if ours else contextlib.nullcontext():
                 model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
-                for layer in _compat.state_layers(cache) if ours else ():
-                    layer.settle(torch.full((rows,), plans[i].span - 1), None)
         times.append(time.perf_counter() - start)
     return round(1e3 * statistics.median(times[1:]), 1)
 

@@ -148,6 +148,7 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
     import torch
 
     from . import _compat
+    from .states import as_verification
     cache = _compat.new_cache(model)
     can_keep = _compat.accepts_logits_to_keep(model)
 
@@ -157,14 +158,16 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
     with torch.no_grad():
         if context:          # a forward's time depends on how many slots it attends to, not on their content:
             # one row's prefill, copied to every row (a CPU prefills a batch of long rows slowly)
-            model(input_ids=ids[:1, :context], use_cache=True, **keep(1), **_compat.cache_kwargs(model, cache))
+            with as_verification(model, cache, 1, context):
+                model(input_ids=ids[:1, :context], use_cache=True, **keep(1), **_compat.cache_kwargs(model, cache))
             _compat.repeat_rows(cache, ids.shape[0])
         for width in widths:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                model(input_ids=ids[:, context: context + width], use_cache=True, **keep(width),
-                      **_compat.cache_kwargs(model, cache))
+                with as_verification(model, cache, ids.shape[0], width):
+                    model(input_ids=ids[:, context: context + width], use_cache=True, **keep(width),
+                          **_compat.cache_kwargs(model, cache))
                 if ids.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)

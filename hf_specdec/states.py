@@ -15,6 +15,7 @@ its rejected slots of the attention layers into holes (its last ones: the layout
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -101,3 +102,18 @@ class RowStates:
     def select_rows(self, keep: torch.Tensor) -> None:
         if self.region_tokens is not None:
             self.region_tokens = self.region_tokens[keep]
+
+
+@contextlib.contextmanager
+def as_verification(model: torch.nn.Module, cache, rows: int, width: int):
+    """For timing (cost profiles, benchmarks): within it, one forward of `width` tokens per row over
+    `cache` (`_compat.new_cache(model)`) runs as our verification runs it on a model with recurrent
+    or convolution layers (each position's states kept, then each row settled on its last);
+    nothing changes for other models."""
+    if not _compat.state_kinds(model):
+        yield
+        return
+    with _compat.recording_states(model, _compat.StatePlan(lo=[-1] * rows, span=width + 1)):
+        yield
+        for layer in _compat.state_layers(cache):
+            layer.settle(torch.full((rows,), width), None)
