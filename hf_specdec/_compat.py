@@ -295,6 +295,7 @@ class StateLayer(LinearAttentionLayer):
 
     def _set(self, states: dict) -> None:
         for (kind, i), state in states.items():
+            self.device, self.dtype = state.device, state.dtype
             getattr(self, f"{kind}_states")[i] = state
             getattr(self, f"is_{kind}_states_initialized")[i] = True
             self.has_previous_state[i] = True

@@ -153,8 +153,9 @@ class CachedModel:
         width = tokens.shape[1]
         arranged = None
         if self.states is not None:       # each row's real tokens first, its states recorded
-            real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if real is None else real
-            tokens, real, arranged = self.states.arrange(tokens.to(self.device), real.to(self.device), self.num_slots)
+            given = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if real is None else real
+            tokens, given, arranged = self.states.arrange(tokens.to(self.device), given.to(self.device), self.num_slots)
+            real = None if real is None else given
         if real is None:        # (a drafter's one-token forwards: their positions in the fewest ops)
             real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
             positions = self.num_real.tensor[:, None]

@@ -2,6 +2,7 @@
 target (`hf_specdec.kept`), lent to one call at a time, checked against the model's dtype and device
 on reuse, and freed by `disable()` without waiting for the garbage collector."""
 import gc
+import sys
 import threading
 import weakref
 
@@ -11,8 +12,9 @@ import torch
 import hf_specdec
 from hf_specdec import compiled
 from hf_specdec.kept import kept_for
-from hf_specdec.testing import build, noisy_copy, prompts
+from hf_specdec.testing import VOCAB, build, noisy_copy, prompts
 from helpers import assert_same, cpu_compile_config
+from tiny_stateful import tiny_stateful
 
 
 def _storage_refs(target, models) -> list:
@@ -83,15 +85,16 @@ class MeetingStreamer:
         pass
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "compiled"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "compiled", "hybrid"])
 def test_two_threads_generate_with_one_model_at_once(cache):
     """Two threads' calls meet at every streamed token; compiled (regional: `regions.py`), a third
-    thread's plain generate() runs the same layers meanwhile and must not be routed to theirs."""
-    model = build("llama", 2, seed=0)
+    thread's plain generate() runs the same layers meanwhile and must not be routed to theirs; on a
+    hybrid (Gated DeltaNet), nor to the recurrence rules our calls wrap (`_compat.recording_states`)."""
+    model = tiny_stateful("qwen3_5_text", vocab=VOCAB) if cache == "hybrid" else build("llama", 2, seed=0)
     draft = noisy_copy(model, 0.3)
     hf_specdec.enable(model)
     inputs = [prompts(2, seed=5), prompts(3, seed=6, min_len=4, max_len=11)]
-    static = {"cache_implementation": "dynamic" if cache == "dynamic" else "static"}
+    static = {"cache_implementation": "dynamic" if cache in ("dynamic", "hybrid") else "static"}
     if cache == "compiled":
         static["compile_config"] = cpu_compile_config()
     meeting = threading.Barrier(2)
@@ -132,6 +135,9 @@ def test_two_threads_generate_with_one_model_at_once(cache):
         assert_same(out, plain_runs[0])
     assert_same(plain_runs[0], type(model).generate(model, input_ids=inputs[0][0], attention_mask=inputs[0][1],
                                                     max_new_tokens=12, do_sample=False))
+    if cache == "hybrid":            # the rules are Transformers' own again
+        module = sys.modules[type(model).__module__]
+        assert not hasattr(module.torch_chunk_gated_delta_rule, "hf_specdec_original")
     if cache == "compiled":          # both threads ran the layers compiled, neither the whole forward
         assert all(f.function is None and f.calls for f in compiled._COMPILED[model].values())
         assert all(layer._compiled_call_impl is None for layer in model.model.layers)

@@ -111,3 +111,9 @@ def test_negative_control_states_that_do_not_step_back_are_caught(hybrid, monkey
     monkeypatch.setattr(_compat.StateLayer, "step_back", lambda self, tokens: setattr(self, "region", []))
     tv = 0.5 * (_sampled(target, draft, prompt, seed=1) - exact).abs().sum()
     assert tv > 3 * TV_BOUND, f"states that never step back went unnoticed (TV {tv:.4f})"
+
+
+def test_a_hierarchy_with_a_hybrid_level_is_refused_where_it_is_built():
+    hybrid = tiny_stateful("qwen3_5_text", vocab=VOCAB)
+    with pytest.raises(ValueError, match=r"HierarchicalDrafter\(draft\) is a Qwen3_5ForCausalLM, whose recurrent"):
+        hf_specdec.HierarchicalDrafter(hybrid, noisy_copy(hybrid, 0.1))

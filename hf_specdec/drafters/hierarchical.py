@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _compat
 from ..policies import FixedLength, LengthPolicy, StepContext
 from ..rows import RowInts
 from ..sequences import SequenceBatch
@@ -62,6 +63,10 @@ class HierarchicalDrafter(Drafter):
             if isinstance(level, TargetStatesDrafter):
                 raise ValueError(f"HierarchicalDrafter({where}) is a {type(level.model).__name__}, which drafts from "
                                  "the target's own states, not an intermediate's: pass it in assistant_models itself")
+            hybrid = next((m for m in level.models() if _compat.state_kinds(m)), None)
+            if hybrid is not None:     # a level forgets tokens past a step's (`CachedModel.truncate`)
+                raise ValueError(f"HierarchicalDrafter({where}) is a {type(hybrid).__name__}, whose recurrent states "
+                                 "step back within a step only: pass it in assistant_models itself")
         if self.lower.vocab_size is not None and self.lower.vocab_size != self.upper.vocab_size:
             raise ValueError(f"HierarchicalDrafter: the draft's vocabulary size {self.lower.vocab_size} differs "
                              f"from the intermediate's {self.upper.vocab_size}")
