@@ -2,7 +2,7 @@
 
 Transformers' own `assistant_model=` / `prompt_lookup_num_tokens=` (and the assisted fields of the
 generation config) are mapped onto those first (`assisted.py`), at any batch size; a call with
-them that our loop cannot run (`assisted.transformers_only`: stateful or convolution layers, an
+them that our loop cannot run (`assisted.transformers_only`: recurrent layers we cannot step back, an
 encoder-decoder target, Transformers' newer drafting kinds, ...) goes to Transformers' own assisted
 generation untouched, with one warning saying why. Calls without any of them go to the original
 `generate` untouched. Transformers does not hand
