@@ -190,6 +190,14 @@ class StatePlan:
     lo: list[int]
     span: int
 
+    def only_last(self, width: int) -> bool:
+        """Whether the plan keeps only each row's state after the last of `width` columns."""
+        return self.span == 1 and all(lo == width - 1 for lo in self.lo)
+
+    def last(self, state: torch.Tensor) -> torch.Tensor:
+        """The kept states [n, 1, *state] of a plan that keeps only the last column's, `state`."""
+        return state[:, None]
+
     def keeper(self, before: torch.Tensor) -> "_Keeper":
         """What collects, column by column, the states this plan names, `before` (the state before
         the forward) being column -1."""
@@ -345,6 +353,11 @@ def _gated_delta_rule(several, one):
                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                            **kwargs)
         n, w = query.shape[:2]
+        if plan.only_last(w):      # (a prefill, a catch-up without holes: plain's own rule, its final state)
+            out, state = several(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                                 output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            _recording.states = plan.last(state)
+            return out, state
         state = initial_state if initial_state is not None else torch.zeros(     # (the rules' own zero state)
             n, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32, device=value.device)
         outputs, keeper = [], plan.keeper(state)
@@ -373,6 +386,12 @@ def _mamba2_scan(several, one):
                            dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, **kwargs)
         n, w, heads, dim = hidden_states.shape
         size = B.shape[-1]
+        if plan.only_last(w):      # (a prefill, a catch-up without holes: plain's own scan, its final state)
+            out, state = several(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                                 initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                 return_final_states=True, **kwargs)
+            _recording.states = plan.last(state)
+            return (out, state) if return_final_states else out
         state = (initial_states.clone() if initial_states is not None
                  else torch.zeros(n, heads, dim, size, dtype=torch.float32, device=hidden_states.device))
         outputs, keeper = [], plan.keeper(state)
