@@ -5,7 +5,9 @@
 Target: a Qwen3.5-style hybrid at 0.30B parameters (`circle_model("hybrid-0.3b")`: 12 layers, three
 Gated DeltaNet layers to one attention layer, Qwen3.5's own classes), whose built weights give a known
 greedy continuation; draft: the same style at 49M ("hybrid-draft"), rewired for per-token acceptance
-about --alpha. float32, greedy, random prompts of --prompt-len tokens.
+about --alpha. float32, greedy, random prompts of --prompt-len tokens. --kernels: the linear layers
+of both models as built (torch's default, MKL here) or on oneDNN (`hf_specdec.kernels`: on this AVX2
+CPU, MKL computes a product of a few rows at the speed of that many one-row products).
 
 Per batch size:
   - verification cost: one target forward of k + 1 tokens against one token, over a cache of the
@@ -30,6 +32,7 @@ from methods import MethodFactory, parse_methods
 from report import figure, method_bars
 
 from hf_specdec import _compat
+from hf_specdec.kernels import use_onednn_linears
 from hf_specdec.states import as_verification
 from hf_specdec.testing import circle_continuation, circle_model
 
@@ -53,7 +56,8 @@ def forward_ms(model, prompt: torch.Tensor, width: int, ours: bool, repeats: int
 def markdown(payload: dict) -> str:
     args = payload["args"]
     lines = [f"Qwen3.5-style hybrid target ({args['target']}, {payload.get('params', '?')}) and draft "
-             f"({args['draft']}), built weights, float32, greedy, acceptance about {args['alpha']}, "
+             f"({args['draft']}), built weights, float32 ({args.get('kernels', 'default')} linear layers), greedy, "
+             f"acceptance about {args['alpha']}, "
              f"{args['max_new_tokens']} new tokens, prompts of {args['prompt_len']}. "
              "Verification: ms of one target forward of k + 1 = 5 tokens against one (Transformers' own cache; "
              "ours keeps each position's states). Speed: median [min, max] of per-round ratios to plain "
@@ -89,11 +93,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--methods", default=METHODS)
+    parser.add_argument("--kernels", choices=("default", "onednn"), default="onednn")
     args = parse(parser, argv)
     target = circle_model(args.target, args.vocab, dtype=torch.float32)
     draft = circle_model(args.draft, args.vocab, alpha=args.alpha, dtype=torch.float32)
+    params = f"{sum(p.numel() for p in target.parameters()) / 1e9:.2f}B"
+    if args.kernels == "onednn":
+        for model in (target, draft):
+            use_onednn_linears(model)
     results = Results(Path(args.out), vars(args), markdown, plot)
-    results.payload["params"] = f"{sum(p.numel() for p in target.parameters()) / 1e9:.2f}B"
+    results.payload["params"] = params
     methods = parse_methods(args.methods)
     factory = MethodFactory(target, draft_model=draft)
     for batch in ints(args.batches):

@@ -184,47 +184,19 @@ _rules_installed: dict[str, int] = {}   # modeling module -> forwards recording 
 
 @dataclass(frozen=True)
 class StatePlan:
-    """Which states a forward keeps: of row b, the state after each of its columns lo[b] ..
-    lo[b] + span - 1 (column -1: its state before the forward)."""
+    """Which states a forward keeps: those after each of its columns from `first` on (-1: the
+    state before the forward too); `last_only`: only the last column's (no row needs another)."""
 
-    lo: list[int]
-    span: int
-
-    def only_last(self, width: int) -> bool:
-        """Whether the plan keeps only each row's state after the last of `width` columns."""
-        return self.span == 1 and all(lo == width - 1 for lo in self.lo)
-
-    def last(self, state: torch.Tensor) -> torch.Tensor:
-        """The kept states [n, 1, *state] of a plan that keeps only the last column's, `state`."""
-        return state[:, None]
-
-    def keeper(self, before: torch.Tensor) -> "_Keeper":
-        """What collects, column by column, the states this plan names, `before` (the state before
-        the forward) being column -1."""
-        return _Keeper(self, before)
-
-    def pick(self, per_column: torch.Tensor) -> torch.Tensor:
-        """Of states after each column -1 .. w - 1 [n, w + 1, *state], the kept ones [n, span, *state]."""
-        n, columns = per_column.shape[:2]
-        lo = torch.tensor(self.lo, device=per_column.device)
-        index = (lo[:, None] + 1 + torch.arange(self.span, device=lo.device)).clamp(0, columns - 1)
-        return per_column[torch.arange(n, device=lo.device)[:, None], index]
+    first: int
+    last_only: bool = False
 
 
-class _Keeper:
-    """A recurrence's states kept per row as its StatePlan names: `kept` [n, span, *state]."""
-
-    def __init__(self, plan: StatePlan, before: torch.Tensor):
-        self.plan = plan
-        self.kept = before.new_empty(len(plan.lo), plan.span, *before.shape[1:])
-        self(-1, before)
-
-    def __call__(self, column: int, state: torch.Tensor) -> None:
-        """The state after `column` [n, *state] (a copy is kept: rules may update it in place)."""
-        rows = [b for b, lo in enumerate(self.plan.lo) if 0 <= column - lo < self.plan.span]
-        if rows:
-            index = torch.tensor(rows, device=state.device)
-            self.kept[index, torch.tensor([column - self.plan.lo[b] for b in rows], device=state.device)] = state[index]
+def pick_rows(per_column: dict[int, torch.Tensor], columns: list[int]) -> torch.Tensor:
+    """Row b's state after its column columns[b], of a forward's states by column
+    ({column: [n, *state]}): [n, *state] (the one tensor itself where every row picks one column)."""
+    if len(set(columns)) == 1:
+        return per_column[columns[0]]
+    return torch.stack([per_column[c][b] for b, c in enumerate(columns)])
 
 
 def state_kinds(model: torch.nn.Module) -> set[str]:
@@ -239,17 +211,18 @@ def _runnable_state_kinds(model: torch.nn.Module) -> set[str]:
 
 
 class StateLayer(LinearAttentionLayer):
-    """A recurrent / convolution layer's states per row, for our loop: every forward records, per
-    row, its states after the columns its `StatePlan` names (`recorded`: (kind, index) ->
-    [n, span, *state]); `settle` makes one of them each row's state, and while a speculative region
-    is open the recordings are kept, so `step_back` can return a row to the state after any of its
-    region tokens. `crop` (slots) leaves states alone."""
+    """A recurrent / convolution layer's states per row, for our loop: every forward records its
+    states after each column its `StatePlan` keeps (`recorded`: (kind, index) -> {column:
+    [n, *state]}, references to what the forward computed, no copies); `settle` makes one column's
+    each row's state, and while a speculative region is open the recordings are kept, so
+    `step_back` can return a row to the state after any of its region tokens. `crop` (slots)
+    leaves states alone."""
 
     def __init__(self, number_of_states: int = 1):
         super().__init__(number_of_states=number_of_states)
         self.record_past = True       # every forward passes its conv inputs to update_conv_state
-        self.recorded: dict[tuple[str, int], torch.Tensor] = {}
-        self.region: list[tuple[dict, torch.Tensor]] = []    # (recording, row b's region token at its index 0)
+        self.recorded: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self.region: list[tuple] = []    # (recording, and per row: region token -> column offset, first and last column)
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
                           **kwargs) -> torch.Tensor:
@@ -260,8 +233,10 @@ class StateLayer(LinearAttentionLayer):
             state = conv_states.new_zeros(*conv_states.shape[:-1], size)
             self.conv_kernel_size[state_idx], self.dtype, self.device = size, conv_states.dtype, conv_states.device
         full = torch.cat([state, conv_states], dim=-1)                          # [n, channels, size + w]
-        per_column = full.unfold(-1, size, 1).movedim(2, 1)                    # [n, w + 1, channels, size]
-        self.recorded["conv", state_idx] = _recording.plan.pick(per_column)
+        windows = full.unfold(-1, size, 1)                                      # [n, channels, w + 1, size]
+        plan, width = _recording.plan, conv_states.shape[-1]
+        columns = [width - 1] if plan.last_only else range(plan.first, width)
+        self.recorded["conv", state_idx] = {c: windows[:, :, c + 1] for c in columns}
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
@@ -272,33 +247,33 @@ class StateLayer(LinearAttentionLayer):
         self.recorded["recurrent", state_idx], _recording.states = states, None
         return recurrent_states
 
-    def settle(self, index: torch.Tensor, region_first: torch.Tensor | None) -> None:
-        """After a forward (within its `recording_states`): row b's states become the recorded ones
-        at index[b] [n]; with a region open, the recording is kept, its index 0 being row b's region
-        token region_first[b]."""
+    def settle(self, columns: list[int], region: tuple[list[int], list[int], list[int]] | None) -> None:
+        """After a forward (within its `recording_states`): row b's states become those after its
+        column columns[b]; with a region open, the recording is kept: row b's region token t is its
+        column t + offset[b], from its column low[b] to last[b] (`region` = (offset, low, last))."""
         for state, kept in _recording.in_place:         # a one-token update made in place (Mamba-2's)
             for i, current in self.recurrent_states.items():
                 if current is state:
                     self.recorded["recurrent", i] = kept
-        rows = torch.arange(len(index), device=index.device)
-        self._set({key: recorded[rows, index] for key, recorded in self.recorded.items()})
-        if region_first is not None:
-            self.region.append((self.recorded, region_first))
+        self._set({key: pick_rows(recorded, columns) for key, recorded in self.recorded.items()})
+        if region is not None:
+            self.region.append((self.recorded, *region))
         self.recorded = {}
 
-    def step_back(self, tokens: torch.Tensor) -> None:
-        """Row b's states after its region token tokens[b] [n] (0: the state where the region
-        began); the region closes."""
-        chosen = {}
-        for recorded, first in self.region:
-            index = tokens - first
-            valid = (index >= 0) & (index < next(iter(recorded.values())).shape[1])
-            rows = torch.arange(len(index), device=index.device)
-            for key, states in recorded.items():
-                picked = states[rows, index.clamp(0, states.shape[1] - 1)]
-                mask = valid.view(-1, *[1] * (picked.ndim - 1))
-                chosen[key] = torch.where(mask, picked, chosen[key]) if key in chosen else picked
-        self._set(chosen)
+    def step_back(self, tokens: list[int]) -> None:
+        """Row b's states after its region token tokens[b] (0: the state where the region began);
+        the region closes."""
+        if not self.region:      # (no forward since it began: each row is there)
+            return
+        found = [next((recorded, t + offset[b]) for recorded, offset, low, last in reversed(self.region)
+                      if low[b] <= t + offset[b] <= last[b]) for b, t in enumerate(tokens)]
+        if found:
+            keys = found[0][0].keys()
+            if all(recorded is found[0][0] for recorded, _ in found):
+                self._set({key: pick_rows(found[0][0][key], [c for _, c in found]) for key in keys})
+            else:
+                self._set({key: torch.stack([recorded[key][c][b] for b, (recorded, c) in enumerate(found)])
+                           for key in keys})
         self.region = []
 
     def _set(self, states: dict) -> None:
@@ -313,8 +288,9 @@ class StateLayer(LinearAttentionLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
-        self.region = [({key: s[indices] for key, s in recorded.items()}, first[indices])
-                       for recorded, first in self.region]
+        rows = indices.tolist()
+        self.region = [({key: {c: state[indices] for c, state in by_column.items()} for key, by_column in recorded.items()},
+                        *([row[b] for b in rows] for row in rows_of)) for recorded, *rows_of in self.region]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         rows = next((s.shape[0] for s in (*self.conv_states.values(), *self.recurrent_states.values())
@@ -353,22 +329,22 @@ def _gated_delta_rule(several, one):
                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                            **kwargs)
         n, w = query.shape[:2]
-        if plan.only_last(w):      # (a prefill, a catch-up without holes: plain's own rule, its final state)
+        if plan.last_only:      # (a prefill, a catch-up without holes: plain's own rule, its final state)
             out, state = several(query, key, value, g=g, beta=beta, initial_state=initial_state,
                                  output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-            _recording.states = plan.last(state)
+            _recording.states = {w - 1: state}
             return out, state
         state = initial_state if initial_state is not None else torch.zeros(     # (the rules' own zero state)
             n, value.shape[2], key.shape[-1], value.shape[-1], dtype=torch.float32, device=value.device)
-        outputs, keeper = [], plan.keeper(state)
+        outputs, states = [], {-1: state}          # (each token's state is a new tensor: kept as it is)
         for c in range(w):
             token = slice(c, c + 1)
             out, state = one(query[:, token], key[:, token], value[:, token], g=g[:, token], beta=beta[:, token],
                              initial_state=state, output_final_state=True,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
             outputs.append(out)
-            keeper(c, state)
-        _recording.states = keeper.kept
+            states[c] = state
+        _recording.states = {c: states[c] for c in range(plan.first, w)}
         return torch.cat(outputs, 1), state
     return rule
 
@@ -386,23 +362,24 @@ def _mamba2_scan(several, one):
                            dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, **kwargs)
         n, w, heads, dim = hidden_states.shape
         size = B.shape[-1]
-        if plan.only_last(w):      # (a prefill, a catch-up without holes: plain's own scan, its final state)
+        if plan.last_only:      # (a prefill, a catch-up without holes: plain's own scan, its final state)
             out, state = several(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                                  initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                  return_final_states=True, **kwargs)
-            _recording.states = plan.last(state)
+            _recording.states = {w - 1: state}
             return (out, state) if return_final_states else out
         state = (initial_states.clone() if initial_states is not None
                  else torch.zeros(n, heads, dim, size, dtype=torch.float32, device=hidden_states.device))
-        outputs, keeper = [], plan.keeper(state)
+        outputs, states = [], {-1: state.clone()}
         for c in range(w):
             outputs.append(one(state, hidden_states[:, c], dt[:, c, :, None].expand(-1, -1, dim),
                                A[:, None, None].expand(-1, dim, size), B[:, c], C[:, c],
                                None if D is None else D[:, None].expand(-1, dim), z=None,
                                dt_bias=None if dt_bias is None else dt_bias[:, None].expand(-1, dim),
-                               dt_softplus=dt_softplus))          # (updates state in place)
-            keeper(c, state)
-        _recording.states = keeper.kept
+                               dt_softplus=dt_softplus))          # (updates state in place: copies kept)
+            if c >= plan.first:
+                states[c] = state.clone()
+        _recording.states = {c: states[c] for c in range(plan.first, w)}
         out = torch.stack(outputs, 1)
         return (out, state) if return_final_states else out
     return scan
@@ -417,10 +394,11 @@ def _mamba2_update(one):
         plan = getattr(_recording, "plan", None)
         if plan is None:
             return one(state, *args, **kwargs)
-        keeper = plan.keeper(state)
+        before = state.clone() if plan.first < 0 else None
         out = one(state, *args, **kwargs)
-        keeper(0, state)
-        _recording.in_place.append((state, keeper.kept))
+        after = state if plan.last_only else state.clone()     # (the state itself: nothing else keeps it)
+        kept = {0: after} if before is None else {-1: before, 0: after}
+        _recording.in_place.append((state, kept))
         return out
     return update
 

@@ -231,7 +231,7 @@ class CachedModel:
         self.slots.reserve(lead + width)
         region = SpecRegion(start=self.num_slots + lead, moves=self.slots.moves)
         if self.states is not None:
-            self.states.open_region(region.start, len(self.num_real), self.device)
+            self.states.open_region(region.start, len(self.num_real))
         return region
 
     def rollback(self, region: SpecRegion, kept: RowInts, spec_real: list[int] | None) -> None:
@@ -247,7 +247,8 @@ class CachedModel:
         spec_start = region.start
         keep = kept.tensor.to(self.device)
         if self.states is not None:       # each row's states step back, its last slots become holes
-            self.num_real = self.num_real - RowInts(self.states.rollback(self.slots.cache, self.slot_mask, keep))
+            dropped = self.states.rollback(self.slots.cache, self.slot_mask, kept.host or kept.tensor.tolist())
+            self.num_real = self.num_real - RowInts(dropped)
             self.fed = self.fed + kept
             self._crop_holes(None if kept.host is None else spec_start + kept.max())
             return
@@ -328,7 +329,7 @@ class CachedModel:
         on_device = keep.tensor.to(self.device)
         self.slots.select_rows(on_device)
         if self.states is not None:
-            self.states.select_rows(on_device)
+            self.states.select_rows(keep.host or keep.tensor.tolist())
         self.num_real = self.num_real[RowInts(on_device, keep.host)]
         if self.last_hidden is not None:
             self.last_hidden = self.last_hidden[on_device]

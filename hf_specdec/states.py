@@ -25,12 +25,12 @@ from . import _compat
 
 @dataclass(frozen=True)
 class Arranged:
-    """A forward's columns rearranged so each row's real tokens come first."""
+    """A forward's columns rearranged so each row's real tokens come first, and its states' plan."""
 
     order: torch.Tensor | None     # [n, w]: the given column at each column (None: as given)
-    plan: _compat.StatePlan        # the states each row keeps
-    settle_at: torch.Tensor        # [n]: index (in the plan's span) of each row's last real token
-    region_first: torch.Tensor | None   # [n]: row b's region token at the plan's first column
+    plan: _compat.StatePlan        # the states the forward keeps
+    last: list[int]                # per row, its last real column (-1: none): where it settles
+    region: tuple | None           # with a region open, per row: (region token -> column offset, first, last column)
     holes: int                     # the most holes of a row
 
     def keep(self, keep: int) -> int:
@@ -52,7 +52,7 @@ class RowStates:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.region_start: int | None = None     # the open region's first slot
-        self.region_tokens: torch.Tensor | None = None     # [n] real tokens each row fed in it
+        self.region_tokens: list[int] | None = None     # real tokens each row fed in it
 
     def arrange(self, tokens: torch.Tensor, real: torch.Tensor, slots_before: int
                 ) -> tuple[torch.Tensor, torch.Tensor, Arranged]:
@@ -64,44 +64,41 @@ class RowStates:
         if width > 1 and bool((~real[:, :-1] & real[:, 1:]).any()):          # a hole before a real token
             order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices
             tokens, real = tokens.gather(1, order), real.gather(1, order)
-        count = real.sum(1)                                                   # [n]
+        count, lead_real = real.sum(1).tolist(), lead_real.tolist()
+        last = [c - 1 for c in count]
         if self.region_start is None:          # only each row's last real token (or its state before)
-            lo, region_first = count - 1, None
+            region = None
+            plan = _compat.StatePlan(first=min(last, default=-1), last_only=bool(n) and min(last) == width - 1)
         else:                                  # from where the region begins to its last real token
-            lo, region_first = lead_real - 1, self.region_tokens
-            self.region_tokens = self.region_tokens + count - lead_real
-        settle_at = count - 1 - lo
-        lo_host = lo.tolist()
-        plan = _compat.StatePlan(lo=lo_host, span=int(settle_at.max()) + 1 if n else 1)
-        holes = width - int(count.min()) if n else 0
-        return tokens, real, Arranged(order, plan, settle_at, region_first, holes)
+            low = [r - 1 for r in lead_real]
+            region = ([lo - t for lo, t in zip(low, self.region_tokens)], low, last)
+            plan = _compat.StatePlan(first=min(low, default=-1))
+            self.region_tokens = [t + c - r for t, c, r in zip(self.region_tokens, count, lead_real)]
+        return tokens, real, Arranged(order, plan, last, region, width - min(count, default=width))
 
     def settle(self, cache, arranged: Arranged) -> None:
         for layer in _compat.state_layers(cache):
-            layer.settle(arranged.settle_at, arranged.region_first)
+            layer.settle(arranged.last, arranged.region)
 
-    def open_region(self, start: int, rows: int, device) -> None:
-        self.region_start, self.region_tokens = start, torch.zeros(rows, dtype=torch.long, device=device)
+    def open_region(self, start: int, rows: int) -> None:
+        self.region_start, self.region_tokens = start, [0] * rows
 
-    def rollback(self, cache, slot_mask: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """Row b keeps the first kept[b] [n] of its region tokens: its states step back there and its
+    def rollback(self, cache, slot_mask: torch.Tensor, kept: list[int]) -> torch.Tensor:
+        """Row b keeps the first kept[b] of its region tokens: its states step back there and its
         other region slots become holes (in `slot_mask` [n, slots], in place). The region closes.
         Returns the slots dropped per row [n]."""
         for layer in _compat.state_layers(cache):
             layer.step_back(kept)
-        drop = self.region_tokens - kept                                       # [n]
+        drop = torch.tensor([t - k for t, k in zip(self.region_tokens, kept)], device=slot_mask.device)
         after = slot_mask.flip(1).long().cumsum(1).flip(1)                    # real slots at or after each
         dropped = slot_mask & (after <= drop[:, None])
         slot_mask &= ~dropped
         self.region_start = self.region_tokens = None
         return dropped.sum(1)
 
-    def close_region(self) -> None:
-        self.region_start = self.region_tokens = None
-
-    def select_rows(self, keep: torch.Tensor) -> None:
+    def select_rows(self, keep: list[int]) -> None:
         if self.region_tokens is not None:
-            self.region_tokens = self.region_tokens[keep]
+            self.region_tokens = [self.region_tokens[b] for b in keep]
 
 
 @contextlib.contextmanager
@@ -113,7 +110,7 @@ def as_verification(model: torch.nn.Module, cache, rows: int, width: int):
     if not _compat.state_kinds(model):
         yield
         return
-    with _compat.recording_states(model, _compat.StatePlan(lo=[-1] * rows, span=width + 1)):
+    with _compat.recording_states(model, _compat.StatePlan(first=-1)):
         yield
         for layer in _compat.state_layers(cache):
-            layer.settle(torch.full((rows,), width), None)
+            layer.settle([width - 1] * rows, None)
