@@ -199,9 +199,12 @@ def pick_rows(per_column: dict[int, torch.Tensor], columns: list[int]) -> torch.
     return torch.stack([per_column[c][b] for b, c in enumerate(columns)])
 
 
+STATE_KINDS = ("linear_attention", "conv")     # (Transformers' cache kinds of Mamba and linear attention too)
+
+
 def state_kinds(model: torch.nn.Module) -> set[str]:
     """The layer kinds of `model` that keep a recurrent or convolution state (not K/V)."""
-    return {kind for kind, _ in layer_kinds(model)} - {"full_attention", "sliding_attention", "chunked_attention", "dummy"}
+    return {kind for kind, _ in layer_kinds(model) if kind in STATE_KINDS}
 
 
 def _runnable_state_kinds(model: torch.nn.Module) -> set[str]:

@@ -1,14 +1,14 @@
-"""Recurrent and convolution layers (hybrid models: Gated DeltaNet, short convolutions) in a
-`CachedModel`: per row, a state instead of K/V slots.
+"""Recurrent and convolution layers (hybrid models: Gated DeltaNet, Mamba-2, short convolutions)
+in a `CachedModel`: per row, a state instead of K/V slots.
 
 A slot can be masked out after the fact; a state cannot: a hole that passed through a recurrence
 changed it, and a rejected draft is in it. So each forward of such a model
   - puts each row's real tokens first (`arrange`): holes come after a row's last real token, where
     they change nothing the row keeps;
-  - records, per row, its states after the columns it may return to (`StatePlan`; in
-    `_compat.StateLayer`): its last real token, and while a speculative region is open every
-    token from where the region begins (the k + 1 positions of a verification; vLLM keeps one
-    state slot per speculative position too);
+  - records the states after the columns a row may return to (`StatePlan`; in
+    `_compat.StateLayer`, by reference: what the forward computed anyway): its last real token,
+    and while a speculative region is open every token from where the region begins (the k + 1
+    positions of a verification; vLLM keeps one state slot per speculative position too);
   - `settle`s each row on the state after its last real token.
 A rollback returns each row to the state after its own accepted tokens (`step_back`), and turns
 its rejected slots of the attention layers into holes (its last ones: the layout per row moved).
