@@ -351,7 +351,12 @@ class SpecBatchingManager(ContinuousBatchingManager):
 
 
 def check_model(model) -> None:
-    """Models whose continuous batching cannot speculate: sliding-window layers (a ring cache)."""
+    """Models whose continuous batching cannot speculate: sliding-window layers (a ring cache),
+    recurrent or convolution layers (a state per request, which a rejected draft has passed)."""
+    if _compat.state_kinds(model) or getattr(model, "_is_stateful", False):
+        raise ValueError(f"{type(model).__name__} has recurrent or convolution layers: continuous batching keeps one "
+                         "state per request, which rejected drafts would have changed; speculate with generate() "
+                         "instead")
     config = model.config.get_text_config()
     layer_types = getattr(config, "layer_types", None) or []
     if "sliding_attention" in layer_types or (getattr(config, "sliding_window", None) and not layer_types

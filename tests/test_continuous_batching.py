@@ -12,6 +12,7 @@ from hf_specdec.continuous_batching import SpecBatchingManager, Speculation
 from hf_specdec.drafters.ngram import PromptLookupDrafter
 from hf_specdec.policies import resolve_policy
 from hf_specdec.testing import VOCAB, build
+from tiny_stateful import tiny_stateful
 
 # distinct prompts, some repetitive (prompt lookup finds matches), of different lengths (prefill chunks)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3, 4, 3], [7, 7, 7, 7],
@@ -275,6 +276,8 @@ def test_what_speculation_cannot_run_is_refused_before_any_work(model):
         SpecBatchingManager(model, generation(), batching(use_async_batching=True), speculation=spec)
     with pytest.raises(ValueError, match="sliding-window"):
         SpecBatchingManager(build("mistral"), generation(), batching(), speculation=spec)
+    with pytest.raises(ValueError, match="recurrent or convolution layers"):
+        SpecBatchingManager(tiny_stateful("lfm2"), generation(), batching(), speculation=spec)
     hf_specdec.enable(model)
     try:
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens must be"):
