@@ -70,7 +70,7 @@ class CachedModel:
         else:
             self.slots = DynamicSlots(self.model, n, self.device)
         self.static = batch.static_cache
-        self.states = RowStates(self.model) if self.stateful else None
+        self.states = RowStates() if self.stateful else None
         self.last_hidden = None
         self.num_real = RowInts.full(n, 0, self.device)     # [n] real slots per row (host copy: `holes`)
         # [n] buffer tokens in the cache (on the buffer's device)

@@ -49,8 +49,7 @@ class Arranged:
 class RowStates:
     """The recurrent / convolution states of one CachedModel's rows, and its open region."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self):
         self.region_start: int | None = None     # the open region's first slot
         self.region_tokens: list[int] | None = None     # real tokens each row fed in it
 
