@@ -266,17 +266,15 @@ class StateLayer(LinearAttentionLayer):
     def step_back(self, tokens: list[int]) -> None:
         """Row b's states after its region token tokens[b] (0: the state where the region began);
         the region closes."""
-        if not self.region:      # (no forward since it began: each row is there)
+        if not self.region or not tokens:      # (no forward since it began: each row is there; or no rows)
+            self.region = []
             return
         found = [next((recorded, t + offset[b]) for recorded, offset, low, last in reversed(self.region)
                       if low[b] <= t + offset[b] <= last[b]) for b, t in enumerate(tokens)]
-        if found:
-            keys = found[0][0].keys()
-            if all(recorded is found[0][0] for recorded, _ in found):
-                self._set({key: pick_rows(found[0][0][key], [c for _, c in found]) for key in keys})
-            else:
-                self._set({key: torch.stack([recorded[key][c][b] for b, (recorded, c) in enumerate(found)])
-                           for key in keys})
+        one = all(recorded is found[0][0] and c == found[0][1] for recorded, c in found)
+        self._set({key: found[0][0][key][found[0][1]] if one else
+                   torch.stack([recorded[key][c][b] for b, (recorded, c) in enumerate(found)])
+                   for key in found[0][0]})
         self.region = []
 
     def _set(self, states: dict) -> None:
@@ -373,7 +371,7 @@ def _mamba2_scan(several, one):
             return (out, state) if return_final_states else out
         state = (initial_states.clone() if initial_states is not None
                  else torch.zeros(n, heads, dim, size, dtype=torch.float32, device=hidden_states.device))
-        outputs, states = [], {-1: state.clone()}
+        outputs, states = [], {-1: state.clone()} if plan.first < 0 else {}
         for c in range(w):
             outputs.append(one(state, hidden_states[:, c], dt[:, c, :, None].expand(-1, -1, dim),
                                A[:, None, None].expand(-1, dim, size), B[:, c], C[:, c],

@@ -247,8 +247,8 @@ class CachedModel:
         spec_start = region.start
         keep = kept.tensor.to(self.device)
         if self.states is not None:       # each row's states step back, its last slots become holes
-            dropped = self.states.rollback(self.slots.cache, self.slot_mask, kept.host or kept.tensor.tolist())
-            self.num_real = self.num_real - RowInts(dropped)
+            drop = self.states.rollback(self.slots.cache, kept.host or kept.tensor.tolist())
+            self._forget_last(torch.tensor(drop, device=self.device))
             self.fed = self.fed + kept
             self._crop_holes(None if kept.host is None else spec_start + kept.max())
             return
@@ -280,13 +280,17 @@ class CachedModel:
         if self.states is not None:
             raise ValueError(f"{type(self.model).__name__}'s recurrent states cannot forget tokens before its last "
                              "speculative step (a hierarchy's lower drafter): use it as a drafter of its own")
-        slots = self.slot_mask
-        after = slots.flip(1).long().cumsum(1).flip(1)             # [n, slots]: real slots at or after s
-        kill = slots & (after <= drop.to(self.device)[:, None])
-        slots &= ~kill
-        self.num_real = self.num_real - RowInts(kill.sum(1))
+        self._forget_last(drop.to(self.device))
         self.fed = RowInts(self.fed.tensor - drop)
         self._crop_holes()
+
+    def _forget_last(self, drop: torch.Tensor) -> None:
+        """Row b's last drop[b] [n] real slots become holes."""
+        slots = self.slot_mask
+        after = slots.flip(1).long().cumsum(1).flip(1)             # [n, slots]: real slots at or after s
+        kill = slots & (after <= drop[:, None])
+        slots &= ~kill
+        self.num_real = self.num_real - RowInts(kill.sum(1))
 
     def _crop_holes(self, holes_from: int | None = None) -> None:
         """Slots that are holes in every row cost attention for nothing: crop them at the end

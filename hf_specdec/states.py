@@ -10,8 +10,9 @@ changed it, and a rejected draft is in it. So each forward of such a model
     and while a speculative region is open every token from where the region begins (the k + 1
     positions of a verification; vLLM keeps one state slot per speculative position too);
   - `settle`s each row on the state after its last real token.
-A rollback returns each row to the state after its own accepted tokens (`step_back`), and turns
-its rejected slots of the attention layers into holes (its last ones: the layout per row moved).
+A rollback returns each row to the state after its own accepted tokens (`step_back`); the
+CachedModel turns its rejected slots of the attention layers into holes (its last real ones: the
+layout per row moved).
 """
 from __future__ import annotations
 
@@ -82,18 +83,14 @@ class RowStates:
     def open_region(self, start: int, rows: int) -> None:
         self.region_start, self.region_tokens = start, [0] * rows
 
-    def rollback(self, cache, slot_mask: torch.Tensor, kept: list[int]) -> torch.Tensor:
-        """Row b keeps the first kept[b] of its region tokens: its states step back there and its
-        other region slots become holes (in `slot_mask` [n, slots], in place). The region closes.
-        Returns the slots dropped per row [n]."""
+    def rollback(self, cache, kept: list[int]) -> list[int]:
+        """Row b keeps the first kept[b] of its region tokens: its states step back there; the
+        region closes. Returns the region tokens each row drops (its last real slots)."""
         for layer in _compat.state_layers(cache):
             layer.step_back(kept)
-        drop = torch.tensor([t - k for t, k in zip(self.region_tokens, kept)], device=slot_mask.device)
-        after = slot_mask.flip(1).long().cumsum(1).flip(1)                    # real slots at or after each
-        dropped = slot_mask & (after <= drop[:, None])
-        slot_mask &= ~dropped
+        drop = [t - k for t, k in zip(self.region_tokens, kept)]
         self.region_start = self.region_tokens = None
-        return dropped.sum(1)
+        return drop
 
     def select_rows(self, keep: list[int]) -> None:
         if self.region_tokens is not None:
