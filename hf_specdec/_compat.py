@@ -17,6 +17,7 @@ import functools
 import inspect
 import sys
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -590,7 +591,11 @@ def set_static_length(cache, length: int) -> None:
 def _storing(cache) -> list:
     """The layers of `cache` that keep K/V of their own (not a KV-sharing layer's `DummyLayer`, nor
     a recurrent layer's states)."""
-    return [layer for layer in cache.layers if not isinstance(layer, (DummyLayer, StateLayer))]
+    return [layer for layer in cache.layers if _stores(layer)]
+
+
+def _stores(layer) -> bool:
+    return not isinstance(layer, (DummyLayer, StateLayer))
 
 
 def static_layers(cache) -> list:
@@ -609,12 +614,21 @@ def crop(cache: DynamicCache, num_slots: int) -> None:
         cache.crop(-num_slots)
 
 
-def drop_front(cache: DynamicCache, num_slots: int) -> None:
-    """Drop the first `num_slots` slots of every row."""
+def drop_front(cache: DynamicCache, num_slots: int, layers: Collection[int] | None = None) -> None:
+    """Drop the first `num_slots` slots of every row, in the layers of index `layers` (None: all)."""
     if num_slots > 0:
-        for layer in _storing(cache):
-            if layer.is_initialized and layer.keys.numel():
+        for i, layer in enumerate(cache.layers):
+            if (layers is None or i in layers) and _stores(layer) and layer.is_initialized and layer.keys.numel():
                 layer.keys, layer.values = layer.keys[..., num_slots:, :], layer.values[..., num_slots:, :]
+
+
+def gather_slots(cache: DynamicCache, order: torch.Tensor, layers: Collection[int]) -> None:
+    """The layers of index `layers` keep, in row b, the slots order[b] [rows, slots'] (in that order)."""
+    for i in layers:
+        layer = cache.layers[i]
+        if layer.is_initialized:
+            layer.keys, layer.values = (t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                                        for t in (layer.keys, layer.values))
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:

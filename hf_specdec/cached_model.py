@@ -43,10 +43,14 @@ class CachedModel:
         self.model = model
         self.device = _compat.execution_device(model)
         self._logits_to_keep = _compat.accepts_logits_to_keep(model)
-        # sliding-window layers: the cache keeps every token and the mask applies the window (in
-        # real positions: slots may be holes), so the model gets 4-D masks (`model_mask`)
+        # sliding-window layers: the mask applies the window (in real positions: slots may be holes),
+        # so the model gets 4-D masks (`model_mask`); on a dynamic cache they forget the slots that
+        # no row's window reaches any more (`_trim_window`), unless a caller may bring back tokens of
+        # an earlier step (a hierarchy's levels) or reads every slot (a target-states drafter)
         self.window = _compat.sliding_window(model)
-        self.full_layers_too = any(kind == "full_attention" for kind, _ in _compat.layer_kinds(model))
+        kinds = {kind for kind, _ in _compat.layer_kinds(model)}
+        self.full_layers_too = "full_attention" in kinds
+        self.trims_window = self.window is not None and "dummy" not in kinds     # (no K/V-sharing layers)
         # recurrent / convolution layers keep states per row, not slots (states.py)
         self.stateful = bool(_compat.state_kinds(model))
         self.states = None
@@ -220,6 +224,8 @@ class CachedModel:
         masks = window_masks(self.model, slots, positions, self.window)
         if self.window is None:
             return masks["full_attention"]
+        if self.slots.front:        # the slots the sliding-window layers hold
+            masks["sliding_attention"] = masks["sliding_attention"][..., self.slots.front:]
         if self.stateful:       # a recurrent layer's: none (each row's holes come after its real tokens)
             return masks | dict.fromkeys(_compat.state_kinds(self.model))
         return masks if self.full_layers_too else masks["sliding_attention"]
@@ -228,11 +234,37 @@ class CachedModel:
         """Reserve room for `lead` slots and then a speculative region of `width` (its whole
         footprint: a compiled cache pads each forward, and a compaction, which moves slots, must
         not happen inside the region); the region starts after the lead."""
+        if self.trims_window and not self.static:
+            self._trim_window()
         self.slots.reserve(lead + width)
         region = SpecRegion(start=self.num_slots + lead, moves=self.slots.moves)
         if self.states is not None:
             self.states.open_region(region.start, len(self.num_real))
         return region
+
+    def _trim_window(self) -> None:
+        """The sliding-window layers forget the slots before every row's last window - 1 real ones:
+        no later query sees them. Where a step opens, as no rollback brings back a slot of an
+        earlier step. Without holes that is the last window - 1 slots (known on the host); with
+        holes the slots are read from the device once per `spare` slots, and compacted where a
+        row's holes stretch its window past that."""
+        slots, window = self.slots, self.window
+        spare = min(64, window)
+        holes = self.holes
+        if slots.used - slots.front <= window - 1 + (spare if holes else 0):
+            return
+        if not holes:
+            slots.window_front(slots.used - (window - 1))
+            return
+        mask = self.slot_mask[:, slots.front:]                                       # [n, span]
+        after = mask.flip(1).cumsum(1).flip(1)                         # real slots at or after each slot
+        in_window = mask & (after <= window - 1)
+        first = torch.where(in_window.any(1), in_window.int().argmax(1), mask.shape[1])   # [n]
+        front = slots.front + int(first.min())                                    # one host read
+        if slots.used - front > window - 1 + spare:
+            slots.compact(window - 1)
+        else:
+            slots.window_front(front)
 
     def rollback(self, region: SpecRegion, kept: RowInts, spec_real: list[int] | None) -> None:
         """Of the slots of `region`, row b keeps its first `kept[b]`, of its `spec_real[b]` real

@@ -34,7 +34,11 @@ class DynamicSlots:
         self.rows = rows
         self.mask = torch.zeros(rows, 0, dtype=torch.bool, device=device)      # [rows, used]
         self.used = 0
-        self.moves = 0            # compactions so far (a dynamic cache never moves slots)
+        self.moves = 0            # compactions so far (`compact`)
+        # sliding-window layers hold slots front .. used: the slots before are outside every row's
+        # window (`CachedModel._trim_window`); full-attention layers hold them all
+        self.front = 0
+        self.sliding = {i for i, (kind, _) in enumerate(_compat.layer_kinds(model)) if kind == "sliding_attention"}
 
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
         """Append tokens [n, w] (real [n, w]) at positions [n, w]: logits [n, >= keep, vocab].
@@ -57,9 +61,34 @@ class DynamicSlots:
 
     def drop_front(self, slots: int) -> None:
         """The first `slots` slots are holes in every row: forget them."""
-        _compat.drop_front(self.cache, slots)
+        _compat.drop_front(self.cache, slots, self.cache_layers_but(self.sliding))
+        _compat.drop_front(self.cache, slots - self.front, self.sliding)
         self.mask = self.mask[:, slots:]
         self.used -= slots
+        self.front = max(0, self.front - slots)
+
+    def window_front(self, front: int) -> None:
+        """The sliding-window layers forget the slots before `front` (no row's window reaches them)."""
+        _compat.drop_front(self.cache, front - self.front, self.sliding)
+        self.front = front
+
+    def compact(self, window_slots: int) -> None:
+        """Every row's real slots move to the end, in order (the shorter rows get holes in front);
+        the sliding-window layers keep the last `window_slots`. Positions count real slots and keys
+        carry their rotary positions, so moving slots changes no logit."""
+        count = self.mask.sum(1)                                                      # [rows]
+        keep = int(count.max())                                                      # a host read, rarely
+        order = torch.argsort(self.mask.to(torch.int8), dim=1, stable=True)[:, self.used - keep:]   # [rows, keep]
+        window_slots = min(window_slots, keep)
+        _compat.gather_slots(self.cache, order, self.cache_layers_but(self.sliding))
+        # (a row's hole slots may be before `front`: any slot will do, it is masked)
+        _compat.gather_slots(self.cache, (order[:, keep - window_slots:] - self.front).clamp(min=0), self.sliding)
+        self.mask = torch.arange(keep, device=count.device)[None, :] >= keep - count[:, None]
+        self.used, self.front = keep, keep - window_slots
+        self.moves += 1
+
+    def cache_layers_but(self, layers: set[int]) -> set[int]:
+        return set(range(len(self.cache.layers))) - layers
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` [m] (indices), in that order."""
@@ -74,6 +103,9 @@ class DynamicSlots:
             return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
         _compat.append_rows(self.cache, self.rows, other.cache, other.rows)
         self.mask = torch.cat([pad(self.mask), pad(other.mask)])
+        # the sliding-window layers end-aligned too: they hold the longer of the two (its
+        # extra slots in the other rows are before their windows)
+        self.front = width - max(self.used - self.front, other.used - other.front)
         self.rows, self.used = self.rows + other.rows, width
 
 
@@ -86,6 +118,7 @@ class StaticSlots:
         self.full: list[tuple[torch.Tensor, torch.Tensor]] = []       # per layer (keys, values) [alloc_rows, ...]
         self.views: dict[int, list] = {}                               # rows -> per layer views of `full`
         self.made_for = None                                           # (dtype, device) of the allocation
+        self.front = 0           # sliding-window layers hold every slot, as full ones (`DynamicSlots.front`)
 
     def reset(self, model: torch.nn.Module, n: int, max_length: int, compile_config, device,
               warmups: WarmupCount) -> None:

@@ -1,14 +1,17 @@
 """Sliding-window layers (Mistral with a window; Gemma 2/3, gpt-oss, Cohere 2: sliding and full
-layers) in our loop: the caches keep every token and a 4-D mask per layer kind applies the window
-in real positions (slots may be holes), so a rejected draft is masked out as in full layers.
-Greedy output past the window is plain generate()'s on every cache path; sampling follows the
-target's distribution."""
+layers) in our loop: a 4-D mask per layer kind applies the window in real positions (slots may be
+holes), so a rejected draft is masked out as in full layers; on a dynamic cache the sliding layers
+forget the slots outside every row's window. Greedy output past the window is plain generate()'s
+on every cache path; sampling follows the target's distribution."""
 import pytest
 import torch
 from transformers import CompileConfig
 
 import hf_specdec
 from hf_specdec import cached_model
+from hf_specdec.cached_model import CachedModel
+from hf_specdec.rows import RowInts
+from hf_specdec.sequences import SequenceBatch
 from hf_specdec.testing import build, noisy_copy, prompts
 from helpers import assert_same, spec
 from test_sampling import N, TV_BOUND, VOCAB, empirical, exact_distribution
@@ -66,3 +69,40 @@ def test_distribution_matches_a_sliding_window_target():
     exact = exact_distribution(target, prompt, 2)
     tv = 0.5 * (empirical(target, draft, prompt, N, seed=7) - exact).abs().sum()
     assert tv < TV_BOUND, f"TV {tv:.4f}"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_layers_forget_what_no_window_reaches_and_compact_rows_with_many_holes(arch):
+    """Steps of random widths, holes and rollbacks over three rows (one with mostly holes): every
+    real column's logits equal those of a cache that keeps every slot, the sliding layers hold at
+    most window - 1 + spare slots when a step opens, and the holey row made the cache compact."""
+    window = 4
+    target = build(arch, 2, seed=0, window=window)
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 3], [0, 4, 4, 2]])
+    batch = SequenceBatch(ids, (ids != 0).long(), max_length=400, pad_token_id=0)
+    trimmed, whole = CachedModel(target), CachedModel(target)
+    whole.trims_window = False
+    gen = torch.Generator().manual_seed(0)
+    for runner in (trimmed, whole):
+        runner.reset(batch)
+    tokens, real = ids, ids != 0
+    for step in range(40):
+        width = tokens.shape[1]
+        regions = [runner.open_region(0, width) for runner in (trimmed, whole)]
+        if step:      # (spare: the window, when below 64)
+            assert trimmed.num_slots - trimmed.slots.front <= window - 1 + window
+        logits = [runner.forward(tokens, real, keep=width) for runner in (trimmed, whole)]
+        torch.testing.assert_close(logits[0][real], logits[1][real], rtol=1e-5, atol=1e-5)
+        sliding = trimmed.slots.cache.layers[min(trimmed.slots.sliding)]
+        assert sliding.keys.shape[-2] == trimmed.num_slots - trimmed.slots.front
+        # each row keeps a random number of its real slots of the step (at least one)
+        counts = real.sum(1)
+        kept = (torch.rand(3, generator=gen) * counts).long().clamp(min=1)
+        for runner, region in zip((trimmed, whole), regions):
+            runner.rollback(region, RowInts(kept), counts.tolist())
+        width = int(torch.randint(1, 5, (), generator=gen))
+        tokens = torch.randint(1, 16, (3, width), generator=gen)
+        real = torch.rand(3, width, generator=gen) < torch.tensor([[1.0], [0.3], [0.7]])
+        real[:, 0] = True
+    assert trimmed.slots.moves > 0 and trimmed.slots.front > 0
+    assert trimmed.num_slots < whole.num_slots

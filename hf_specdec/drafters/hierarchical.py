@@ -67,6 +67,9 @@ class HierarchicalDrafter(Drafter):
             if hybrid is not None:     # a level forgets tokens past a step's (`CachedModel.truncate`)
                 raise ValueError(f"HierarchicalDrafter({where}) is a {type(hybrid).__name__}, whose recurrent states "
                                  "step back within a step only: pass it in assistant_models itself")
+        for level in (self.lower, self.upper):      # a level forgets tokens of a step the target rejects
+            if isinstance(level, ModelDrafter):     # (`discard_after`): its sliding-window layers keep them
+                level.runner.trims_window = False
         if self.lower.vocab_size is not None and self.lower.vocab_size != self.upper.vocab_size:
             raise ValueError(f"HierarchicalDrafter: the draft's vocabulary size {self.lower.vocab_size} differs "
                              f"from the intermediate's {self.upper.vocab_size}")

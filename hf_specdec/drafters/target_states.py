@@ -39,6 +39,7 @@ class TargetStatesDrafter(Drafter):
     def follow(self, target: CachedModel) -> None:
         self.target = target
         target.keeps_hidden = True
+        target.trims_window = False      # the assistant reads every slot of the target's layers
         self.sources = _compat.kv_sharing_sources(target.model)
         # a sliding layer attends the last window + 1 tokens before the row's last token (whose own
         # K/V the target has not computed), as Transformers' flipped bidirectional window does
