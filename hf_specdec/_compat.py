@@ -626,7 +626,7 @@ def gather_slots(cache: DynamicCache, order: torch.Tensor, layers: Collection[in
     """The layers of index `layers` keep, in row b, the slots order[b] [rows, slots'] (in that order)."""
     for i in layers:
         layer = cache.layers[i]
-        if layer.is_initialized:
+        if _stores(layer) and layer.is_initialized:
             layer.keys, layer.values = (t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
                                         for t in (layer.keys, layer.values))
 
