@@ -7,7 +7,8 @@ Prompts: consecutive HumanEval prompts joined to at least --prompt-tokens tokens
 lookup drafts. Methods, interleaved: plain generate() (Transformers' own code path: its sliding
 layers keep window - 1 tokens), ours with fixed:5 and the default policy, and the same two with
 every slot kept in the sliding layers ("/every-slot": the code before the window was trimmed,
-`CachedModel.trims_window = False`).
+`CachedModel.trims_window = False`). A method name may end in "/static" (before "/every-slot"):
+cache_implementation="static", Transformers' and ours.
 
   - memory: the bytes of the target's cache (keys and values of every layer) after the last forward
     of a call that reaches a --context-tokens context, and the most after any forward but the first
@@ -126,6 +127,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--context-tokens", type=int, default=4096)
     parser.add_argument("--new-tokens-memory", type=int, default=32)
+    parser.add_argument("--memory-methods", default=f"plain,auto@pld,auto@pld{EVERY_SLOT}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--methods", default=METHODS)
     args = parse(parser, argv)
@@ -139,7 +141,7 @@ def main(argv=None) -> None:
         inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens_memory,
                       do_sample=False)
         memory = {}
-        for name in ("plain", "auto@pld", f"auto@pld{EVERY_SLOT}"):
+        for name in (m.strip() for m in args.memory_methods.split(",")):
             recorder = CacheBytes(model)
             try:
                 run(model, factory, name, inputs)

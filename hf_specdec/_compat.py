@@ -94,16 +94,21 @@ def cache_in_use(cache) -> bool:
     return any(used(layer) for layer in layers)
 
 
-def new_static_cache(model: torch.nn.Module, capacity: int):
+def new_static_cache(model: torch.nn.Module, capacity: int, ring_layers: Collection[int] = (), ring: int = 0):
     """An empty preallocated KV cache of `capacity` slots per row (Transformers' StaticCache,
-    allocated at its first write), every layer a full one (sliding windows: as `new_cache`)."""
+    allocated at its first write), every layer a full one (sliding windows: as `new_cache`), but
+    the layers of index `ring_layers`, of `ring` slots."""
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
     _refuse_unsupported(model)
     config = model.config
     if sliding_window(model):
         config = copy.deepcopy(config.get_text_config(decoder=True))
         config.layer_types = ["full_attention"] * config.num_hidden_layers   # (kv_sharing_modes still apply)
-    return StaticCache(config=config, max_cache_len=capacity)
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    for i in ring_layers:
+        cache.layers[i] = StaticLayer(max_cache_len=ring)
+    return cache
 
 
 def layer_kinds(model: torch.nn.Module) -> list[tuple[str, int | None]]:
@@ -120,6 +125,11 @@ def layer_kinds(model: torch.nn.Module) -> list[tuple[str, int | None]]:
 def sliding_window(model: torch.nn.Module) -> int | None:
     """The window (in tokens) of `model`'s sliding-window layers; None if it has none."""
     return max((w for kind, w in layer_kinds(model) if kind == "sliding_attention"), default=None)
+
+
+def sliding_layers(model: torch.nn.Module) -> set[int]:
+    """The indices of `model`'s sliding-window layers (of its cache's layers)."""
+    return {i for i, (kind, _) in enumerate(layer_kinds(model)) if kind == "sliding_attention"}
 
 
 def unsupported_layers(model: torch.nn.Module) -> str | None:
@@ -580,12 +590,16 @@ def attn_implementation(model: torch.nn.Module) -> str:
     return model.config._attn_implementation
 
 
-def set_static_length(cache, length: int) -> None:
+def set_static_length(cache, length: int, ring_layers: Collection[int] = (), front: int = 0) -> None:
     """Where the next write of every layer of a StaticCache goes (5.24: `cumulative_length`, a
-    0-d tensor per layer): two ops for all layers (foreach), not one per layer."""
-    lengths = [layer.cumulative_length for layer in _storing(cache)]
-    torch._foreach_zero_(lengths)
-    torch._foreach_add_(lengths, length)
+    0-d tensor per layer), `length - front` in the layers of index `ring_layers`: two ops for all
+    layers of a length (foreach), not one per layer."""
+    for ring, at in ((False, length), (True, length - front)):
+        lengths = [layer.cumulative_length for i, layer in enumerate(cache.layers)
+                   if _stores(layer) and (i in ring_layers) == ring]
+        if lengths:
+            torch._foreach_zero_(lengths)
+            torch._foreach_add_(lengths, at)
 
 
 def _storing(cache) -> list:

@@ -28,6 +28,9 @@ from .slots import DynamicSlots, StaticSlots
 from .states import RowStates
 
 
+RING_PART = 64      # the widest forward a static cache's sliding-window ring takes in one part
+
+
 @dataclass(frozen=True)
 class SpecRegion:
     """A step's speculative slots in one model's cache: from slot `start` on, reserved with the
@@ -70,7 +73,8 @@ class CachedModel:
         if batch.static_cache:
             if not isinstance(self.slots, StaticSlots):      # lent for the call (`close` gives it back)
                 self.kept, self.slots = batch.kept, batch.kept.storages.take(self.model, StaticSlots)
-            self.slots.reset(self.model, n, batch.max_length, batch.compile_config, self.device, batch.warmups)
+            self.slots.reset(self.model, n, batch.max_length, batch.compile_config, self.device, batch.warmups,
+                             self._ring_slots() if self.trims_window else None)
         else:
             self.slots = DynamicSlots(self.model, n, self.device)
         self.static = batch.static_cache
@@ -153,6 +157,22 @@ class CachedModel:
         Returns float32 logits [n, keep, vocab] on the device of `tokens` (a copy: the next
         compiled call may overwrite the model's own).
         """
+        ring, width = self.slots.ring, tokens.shape[1]
+        if ring is not None and width > keep and self.slots.used - self.slots.front + width > ring:
+            # a static cache's ring cannot hold this forward: its columns before the last `keep`
+            # (before any speculative region) go first, RING_PART at a time, the window trimmed
+            # before each (not compacted: a region may be open, whose slots must not move)
+            head = width - keep
+            for start in range(0, head, RING_PART):
+                columns = slice(start, min(start + RING_PART, head))
+                self._trim_window(compact=False)
+                self._forward(tokens[:, columns], None if real is None else real[:, columns], None, keep=1)
+            self._trim_window(compact=False)
+            tokens, real, counts = tokens[:, head:], None if real is None else real[:, head:], None
+        return self._forward(tokens, real, counts, keep=keep)
+
+    def _forward(self, tokens: torch.Tensor, real: torch.Tensor | None, counts: list[int] | None, *,
+                 keep: int) -> torch.Tensor:
         out_device, n = tokens.device, tokens.shape[0]
         width = tokens.shape[1]
         arranged = None
@@ -221,11 +241,9 @@ class CachedModel:
         own: it is never left out for sdpa's `is_causal`, which would make another graph."""
         if self.window is None and not four_d:
             return slots
-        masks = window_masks(self.model, slots, positions, self.window)
+        masks = window_masks(self.model, slots, positions, self.window, self.slots.window_columns)
         if self.window is None:
             return masks["full_attention"]
-        if self.slots.front:        # the slots the sliding-window layers hold
-            masks["sliding_attention"] = masks["sliding_attention"][..., self.slots.front:]
         if self.stateful:       # a recurrent layer's: none (each row's holes come after its real tokens)
             return masks | dict.fromkeys(_compat.state_kinds(self.model))
         return masks if self.full_layers_too else masks["sliding_attention"]
@@ -234,7 +252,7 @@ class CachedModel:
         """Reserve room for `lead` slots and then a speculative region of `width` (its whole
         footprint: a compiled cache pads each forward, and a compaction, which moves slots, must
         not happen inside the region); the region starts after the lead."""
-        if self.trims_window and not self.static:
+        if self.trims_window and self.slots.forgets_window:
             self._trim_window()
         self.slots.reserve(lead + width)
         region = SpecRegion(start=self.num_slots + lead, moves=self.slots.moves)
@@ -242,16 +260,24 @@ class CachedModel:
             self.states.open_region(region.start, len(self.num_real))
         return region
 
-    def _trim_window(self) -> None:
+    def _spare(self) -> int:
+        """Slots a sliding-window layer may hold past a window when a step opens (`_trim_window`)."""
+        return min(64, self.window)
+
+    def _ring_slots(self) -> int:
+        """A static cache's sliding-window ring: a window, the spare and a forward of RING_PART
+        tokens (a longer one goes in parts, `forward`; a longer region grows it, `StaticSlots`)."""
+        return self.window - 1 + self._spare() + RING_PART
+
+    def _trim_window(self, compact: bool = True) -> None:
         """The sliding-window layers forget the slots before every row's last window - 1 real ones:
         no later query sees them. Where a step opens, as no rollback brings back a slot of an
-        earlier step. Without holes that is the last window - 1 slots (known on the host); with
-        holes the slots are read from the device once per `spare` slots, and compacted where a
-        row's holes stretch its window past that."""
-        slots, window = self.slots, self.window
-        spare = min(64, window)
+        earlier step. Once per `spare` slots (a dynamic cache without holes: every step, as that is
+        known on the host and moves nothing); with holes the slots are read from the device, and
+        compacted (with `compact`) where a row's holes stretch its window past the spare."""
+        slots, window, spare = self.slots, self.window, self._spare()
         holes = self.holes
-        if slots.used - slots.front <= window - 1 + (spare if holes else 0):
+        if slots.used - slots.front <= window - 1 + (spare if holes or self.static else 0):
             return
         if not holes:
             slots.window_front(slots.used - (window - 1))
@@ -261,8 +287,8 @@ class CachedModel:
         in_window = mask & (after <= window - 1)
         first = torch.where(in_window.any(1), in_window.int().argmax(1), mask.shape[1])   # [n]
         front = slots.front + int(first.min())                                    # one host read
-        if slots.used - front > window - 1 + spare:
-            slots.compact(window - 1)
+        if compact and slots.used - front > window - 1 + spare:
+            slots.compact(in_window)
         else:
             slots.window_front(front)
 
@@ -375,11 +401,11 @@ class CachedModel:
 
 
 def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.Tensor,
-                 window: int | None) -> dict[str, torch.Tensor]:
+                 window: int | None, window_columns=None) -> dict[str, torch.Tensor]:
     """4-D masks [rows, 1, w, s] for queries at `positions` [rows, w] over slots [rows, s], built
     from each slot's real position (the real slots before it), by layer kind: "full_attention"
-    causal, "sliding_attention" also within `window` tokens (None: no sliding layers); in
-    `model`'s attention's format."""
+    causal, "sliding_attention" also within `window` tokens (None: no sliding layers), of the
+    columns `window_columns` picks (the slots a sliding layer holds); in `model`'s attention's format."""
     # built at [rows, 1, w, s], not as views of [rows, w, s]: a compiled layer guards on a view's base
     key_positions = slots.long().cumsum(1)[:, None, None, :] - 1                    # [rows, 1, 1, s]
     query_positions = positions[:, None, :, None]                                   # [rows, 1, w, 1]
@@ -387,6 +413,8 @@ def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.T
     masks = {"full_attention": _as_attention_mask(model, causal)}
     if window is not None:
         sliding = causal & (query_positions - key_positions < window)
+        if window_columns is not None:
+            sliding = window_columns(sliding)
         masks["sliding_attention"] = _as_attention_mask(model, sliding)
     return masks
 

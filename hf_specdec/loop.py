@@ -102,9 +102,10 @@ class DecodingLoop:
     def begin(self) -> None:
         """Empty caches for the active rows (none for a serving run, whose rows join)."""
         batch = self.batch
+        for drafter in self.drafters:      # (before the target's cache is made: a drafter may ask it to keep every slot)
+            drafter.follow(self.target)
         self.target.reset(batch)
         for drafter in self.drafters:
-            drafter.follow(self.target)
             drafter.begin(batch, self.sampler)
         if self.offload is not None:
             self.offload.begin(self.drafters, batch)

@@ -19,6 +19,24 @@ from . import _compat
 from .compiled import WarmupCount, compiled_forwards, rows_bucket, width_tier
 
 
+def compaction(real: torch.Tensor, front: int, window_keep: torch.Tensor | None = None):
+    """Where a compaction moves the slots real [rows, used]: every row's real slots to the end, in
+    order (the shorter rows get holes in front); the sliding-window layers, which hold the slots
+    from `front`, keep window_keep [rows, used - front] (None: their real ones), also at the end. Positions
+    count real slots and keys carry their rotary positions, so moving slots changes no logit.
+
+    Returns (keep: slots left, order [rows, keep]: the slot each comes from, the sliding layers'
+    order [rows, keep - new front] (counted from `front`), the new front, the new mask [rows, keep]).
+    """
+    window_keep = real[:, front:] if window_keep is None else window_keep
+    count = real.sum(1)                                                          # [rows]
+    keep, window = torch.stack([count.max(), window_keep.sum(1).max()]).tolist()     # one host read
+    order = torch.argsort(real.to(torch.int8), dim=1, stable=True)[:, real.shape[1] - keep:]
+    window_order = torch.argsort(window_keep.to(torch.int8), dim=1, stable=True)[:, window_keep.shape[1] - window:]
+    mask = torch.arange(keep, device=real.device)[None, :] >= keep - count[:, None]
+    return keep, order, window_order, keep - window, mask
+
+
 def static_capacity(tokens: int) -> int:
     """Slots per row of a static cache for rows of up to `tokens` tokens: with 64 to spare (room
     for drafts before a compaction), a power of two, at least 256: growing is rare, and each
@@ -38,7 +56,9 @@ class DynamicSlots:
         # sliding-window layers hold slots front .. used: the slots before are outside every row's
         # window (`CachedModel._trim_window`); full-attention layers hold them all
         self.front = 0
-        self.sliding = {i for i, (kind, _) in enumerate(_compat.layer_kinds(model)) if kind == "sliding_attention"}
+        self.sliding = _compat.sliding_layers(model)
+        self.forgets_window = bool(self.sliding)
+        self.ring = None          # (they grow with each forward)
 
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
         """Append tokens [n, w] (real [n, w]) at positions [n, w]: logits [n, >= keep, vocab].
@@ -55,6 +75,9 @@ class DynamicSlots:
 
     def step_back(self, used: int) -> None:
         """Slots from `used` on are holes in every row: forget them."""
+        if used < self.front:             # (no rows left) the sliding-window layers keep nothing
+            self.window_front(self.used)
+            self.front = used
         _compat.crop(self.cache, self.used - used)
         self.mask = self.mask[:, :used]
         self.used = used
@@ -72,20 +95,17 @@ class DynamicSlots:
         _compat.drop_front(self.cache, front - self.front, self.sliding)
         self.front = front
 
-    def compact(self, window_slots: int) -> None:
-        """Every row's real slots move to the end, in order (the shorter rows get holes in front);
-        the sliding-window layers keep the last `window_slots`. Positions count real slots and keys
-        carry their rotary positions, so moving slots changes no logit."""
-        count = self.mask.sum(1)                                                      # [rows]
-        keep = int(count.max())                                                      # a host read, rarely
-        order = torch.argsort(self.mask.to(torch.int8), dim=1, stable=True)[:, self.used - keep:]   # [rows, keep]
-        window_slots = min(window_slots, keep)
+    def compact(self, window_keep: torch.Tensor | None = None) -> None:
+        """Every row's real slots move to the end, in order (`compaction`)."""
+        keep, order, window_order, front, self.mask = compaction(self.mask, self.front, window_keep)
         _compat.gather_slots(self.cache, order, self.cache_layers_but(self.sliding))
-        # (a row's hole slots may be before `front`: any slot will do, it is masked)
-        _compat.gather_slots(self.cache, (order[:, keep - window_slots:] - self.front).clamp(min=0), self.sliding)
-        self.mask = torch.arange(keep, device=count.device)[None, :] >= keep - count[:, None]
-        self.used, self.front = keep, keep - window_slots
+        _compat.gather_slots(self.cache, window_order, self.sliding)
+        self.used, self.front = keep, front
         self.moves += 1
+
+    def window_columns(self, mask: torch.Tensor) -> torch.Tensor:
+        """A sliding-window layer's mask [..., used] -> the columns of the slots it holds."""
+        return mask[..., self.front:]
 
     def cache_layers_but(self, layers: set[int]) -> set[int]:
         return set(range(len(self.cache.layers))) - layers
@@ -111,36 +131,43 @@ class DynamicSlots:
 
 class StaticSlots:
     """A StaticCache of `alloc_rows` x `capacity` slots; the active rows use a view of `rows`
-    of them (a bucket when compiled), rows past the `n` real ones are dummies."""
+    of them (a bucket when compiled), rows past the `n` real ones are dummies. Eager, the
+    sliding-window layers are a ring of `ring` slots holding the slots from `front` on (their own
+    write position: `used - front`), moved to its start when it fills (`window_front`)."""
 
     def __init__(self):
         self.cache, self.capacity, self.alloc_rows = None, 0, 0
         self.full: list[tuple[torch.Tensor, torch.Tensor]] = []       # per layer (keys, values) [alloc_rows, ...]
+        self.in_ring: list[bool] = []                                   # per entry of `full`: a ring's
         self.views: dict[int, list] = {}                               # rows -> per layer views of `full`
-        self.made_for = None                                           # (dtype, device) of the allocation
-        self.front = 0           # sliding-window layers hold every slot, as full ones (`DynamicSlots.front`)
+        self.made_for = None                                           # (dtype, device, ring) of the allocation
+        self.front, self.ring, self.sliding, self.forgets_window = 0, None, set(), False
 
     def reset(self, model: torch.nn.Module, n: int, max_length: int, compile_config, device,
-              warmups: WarmupCount) -> None:
+              warmups: WarmupCount, ring: int | None = None) -> None:
         """Empty, for `n` rows of up to `max_length` tokens: the allocation is reused when it
         fits and was made for the model's dtype and device, else a new one is made (grow only, as
-        Transformers keeps its cache length). warmups: the call's count of compiled warm-ups."""
+        Transformers keeps its cache length). warmups: the call's count of compiled warm-ups.
+        ring: the slots of a sliding-window layer (None: as many as a full one; so when compiled)."""
         self.compiled = compiled_forwards(model, compile_config) if compile_config else None
         self.warmups = warmups
         self.n, self.rows = n, rows_bucket(n) if self.compiled else n
         needed = static_capacity(max_length)
-        made_for, self.made_for = self.made_for, (model.dtype, torch.device(device))
+        ring = ring if ring is not None and not self.compiled and ring < needed else None
+        made_for, self.made_for = self.made_for, (model.dtype, torch.device(device), ring)
         if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows or made_for != self.made_for:
             # (allocated by the first forward: an eager prefill of `rows` rows)
             self.capacity = max(needed, self.capacity)
-            self.cache = _compat.new_static_cache(model, self.capacity)
+            self.ring, self.forgets_window = ring, ring is not None
+            self.sliding = _compat.sliding_layers(model) if ring else set()
+            self.cache = _compat.new_static_cache(model, self.capacity, self.sliding, ring or 0)
             self.full, self.views, self.alloc_rows = [], {}, 0
         else:
             self._use_rows(self.rows)
         # the layers the compiled forwards run, paired with their cache layers (None: the whole forward)
         self.layers = self.compiled.layers(model, self.cache) if self.compiled else None
-        self.used, self.moves = 0, 0              # moves: compactions so far (`CachedModel.open_region`)
-        _compat.set_static_length(self.cache, 0)
+        self.used, self.moves, self.front = 0, 0, 0      # moves: compactions so far (`CachedModel.open_region`)
+        self._set_length()
         self._mask = torch.zeros(self.alloc_rows or self.rows, self.capacity, dtype=torch.bool, device=device)
         self._mark_dummies()
 
@@ -152,6 +179,9 @@ class StaticSlots:
     def _mark_dummies(self) -> None:
         self._mask[self.n:] = False
         self._mask[self.n:, 0] = True          # a dummy row attends one slot: no empty softmax
+
+    def _set_length(self) -> None:
+        _compat.set_static_length(self.cache, self.used, self.sliding, self.front)
 
     def _use_rows(self, rows: int) -> None:
         """Point every layer at the first `rows` rows of the allocation (views kept per row count:
@@ -173,6 +203,8 @@ class StaticSlots:
         tier = width_tier(end) if self.compiled and self.full else None
         width = tier or end
         self.reserve(width)
+        if self.ring is not None and self.used - self.front + width > self.ring:
+            self._grow_ring(runner.model, self.used - self.front + width)
         # hole slots on the right up to the tier's width, dummy rows below up to the bucket
         self._mask[:n, self.used:self.used + width] = _pad(real, n, width)    # (the pad's slots: holes)
         tokens, positions = (_pad(t, self.rows, width) for t in (tokens, positions))
@@ -182,7 +214,10 @@ class StaticSlots:
         if tier is None:
             logits = runner.eager(self.cache, tokens, mask, positions, keep, cache_position=cache_position)
             if not self.full:                     # the first forward allocated the cache
-                self.full = [(layer.keys, layer.values) for layer in _compat.static_layers(self.cache)]
+                layers = _compat.static_layers(self.cache)
+                ring = [self.cache.layers[i] for i in self.sliding]
+                self.full = [(layer.keys, layer.values) for layer in layers]
+                self.in_ring = [any(layer is r for r in ring) for layer in layers]
                 self.alloc_rows = self.rows
                 self._use_rows(self.rows)
             return logits
@@ -194,43 +229,80 @@ class StaticSlots:
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits
 
+    def window_columns(self, mask: torch.Tensor) -> torch.Tensor:
+        """A sliding-window layer's mask [..., capacity] -> [..., ring]: the slots its ring holds."""
+        if self.ring is None:
+            return mask
+        part = mask[..., self.front:self.front + self.ring]
+        return torch.nn.functional.pad(part, (0, self.ring - part.shape[-1]))     # (past the capacity: holes)
+
+    def window_front(self, front: int) -> None:
+        """As `DynamicSlots.window_front`: the ring's slots from `front` move to its start (in place)."""
+        live, shift = self.used - front, front - self.front
+        for pair, ringed in zip(self.views[self.rows], self.in_ring):
+            for t in pair if ringed else ():
+                t[:, :, :live] = t[:, :, shift:shift + live].clone()
+        self.front = front
+        self._set_length()
+
     def reserve(self, width: int) -> None:
-        """Room for `width` more slots (the tier it pads to, when compiled): compacted when full
-        (every row's real slots moved to the front, in order), grown when that is not enough.
-        Positions count real slots and keys carry their rotary positions, so moving slots changes
-        no logit. It moves slots: a caller that will step back to `used` reserves the whole
-        speculative region first."""
+        """Room for `width` more slots (the tier it pads to, when compiled): compacted when full,
+        grown when that is not enough. It moves slots: a caller that will step back to `used`
+        reserves the whole speculative region first."""
         if self.compiled and self.full:
             width = width_tier(width) or width
         if self.used + width <= self.capacity or not self.full:
             return
-        real = self._mask[:self.rows, :self.used]                                  # [rows, used]
-        count = real.sum(1)                                                       # [rows]
-        keep = int(count.max())                                                  # a host read, rarely
-        order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :keep]   # [rows, keep]
-        capacity = max(self.capacity, static_capacity(keep + width))
-        moved = [tuple(t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])) for t in pair)
-                 for pair in self.views[self.rows]]
-        if capacity > self.capacity:            # new tensors: compiled graphs record them anew
-            self.full = [tuple(t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3]) for t in pair)
-                         for pair in self.full]
-            self.views, self.capacity = {}, capacity
-            mask = torch.zeros(self.alloc_rows, capacity, dtype=torch.bool, device=self._mask.device)
-            mask[:, :self._mask.shape[1]] = self._mask
-            self._mask = mask
-            self._use_rows(self.rows)
-        for pair, new in zip(self.views[self.rows], moved):
+        self.compact()
+        if self.used + width > self.capacity:        # new tensors: compiled graphs record them anew
+            self._grow(static_capacity(self.used + width))
+
+    def compact(self, window_keep: torch.Tensor | None = None) -> None:
+        """Every row's real slots move to the end, in order (`compaction`), in place."""
+        keep, order, window_order, front, mask = compaction(self._mask[:self.rows, :self.used], self.front, window_keep)
+        pairs = self.views[self.rows]
+        moved = [tuple(t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])) for t in pair)
+                 for pair, index in zip(pairs, (window_order if ringed else order for ringed in self.in_ring))]
+        for pair, new in zip(pairs, moved):
             for t, m in zip(pair, new):
-                t[:, :, :keep] = m
+                t[:, :, :m.shape[2]] = m
         self._mask[:self.rows] = False
-        self._mask[:self.rows, :keep] = torch.arange(keep, device=count.device)[None, :] < count[:, None]
-        self.used = keep
+        self._mask[:self.rows, :keep] = mask
+        self.used, self.front = keep, front
         self.moves += 1
-        _compat.set_static_length(self.cache, keep)
+        self._set_length()
+
+    def _grow(self, capacity: int) -> None:
+        """Full layers of `capacity` slots, keeping their first `used` (a ring keeps its size)."""
+        self._resize(False, capacity, self.used)
+        self.capacity = capacity
+        mask = torch.zeros(self.alloc_rows, capacity, dtype=torch.bool, device=self._mask.device)
+        mask[:, :self._mask.shape[1]] = self._mask
+        self._mask = mask
+
+    def _grow_ring(self, model: torch.nn.Module, slots: int) -> None:
+        """A ring of `slots` (a speculative region longer than the ring's part, or rows whose holes
+        stretch their windows: rare), keeping what it holds."""
+        self.ring = slots
+        if self.full:
+            self._resize(True, slots, self.used - self.front)
+        else:                                 # (not allocated yet)
+            self.cache = _compat.new_static_cache(model, self.capacity, self.sliding, slots)
+
+    def _resize(self, ring: bool, slots: int, kept: int) -> None:
+        """The ring's layers (or the full ones) of `slots` slots, keeping their first `kept`."""
+        def resized(t):
+            new = t.new_zeros(t.shape[0], t.shape[1], slots, t.shape[3])
+            new[:, :, :kept] = t[:, :, :kept]
+            return new
+        self.full = [tuple(resized(t) for t in pair) if ringed == ring else pair
+                     for pair, ringed in zip(self.full, self.in_ring)]
+        self.views = {}
+        self._use_rows(self.rows)
 
     def step_back(self, used: int) -> None:
         self.used = used
-        _compat.set_static_length(self.cache, used)
+        self._set_length()
 
     def drop_front(self, slots: int) -> None:
         """Holes in front stay masked until a compaction: slots are not moved for them."""
