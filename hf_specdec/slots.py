@@ -131,7 +131,7 @@ class DynamicSlots:
 
 class StaticSlots:
     """A StaticCache of `alloc_rows` x `capacity` slots; the active rows use a view of `rows`
-    of them (a bucket when compiled), rows past the `n` real ones are dummies. Eager, the
+    of them (a bucket when compiled), rows past the `n` real ones are dummies. The
     sliding-window layers are a ring of `ring` slots holding the slots from `front` on (their own
     write position: `used - front`), moved to its start when it fills (`window_front`)."""
 
@@ -148,12 +148,12 @@ class StaticSlots:
         """Empty, for `n` rows of up to `max_length` tokens: the allocation is reused when it
         fits and was made for the model's dtype and device, else a new one is made (grow only, as
         Transformers keeps its cache length). warmups: the call's count of compiled warm-ups.
-        ring: the slots of a sliding-window layer (None: as many as a full one; so when compiled)."""
+        ring: the slots of a sliding-window layer (None: as many as a full one)."""
         self.compiled = compiled_forwards(model, compile_config) if compile_config else None
         self.warmups = warmups
         self.n, self.rows = n, rows_bucket(n) if self.compiled else n
         needed = static_capacity(max_length)
-        ring = ring if ring is not None and not self.compiled and ring < needed else None
+        ring = ring if ring is not None and ring < needed else None
         made_for, self.made_for = self.made_for, (model.dtype, torch.device(device), ring)
         if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows or made_for != self.made_for:
             # (allocated by the first forward: an eager prefill of `rows` rows)
@@ -234,7 +234,10 @@ class StaticSlots:
         if self.ring is None:
             return mask
         part = mask[..., self.front:self.front + self.ring]
-        return torch.nn.functional.pad(part, (0, self.ring - part.shape[-1]))     # (past the capacity: holes)
+        part = torch.nn.functional.pad(part, (0, self.ring - part.shape[-1]))     # (past the capacity: holes)
+        # a query seeing none of the ring (a dummy row's, a pad's) sees its first slot: no empty softmax
+        part[..., 0] |= ~part.any(-1)
+        return part
 
     def window_front(self, front: int) -> None:
         """As `DynamicSlots.window_front`: the ring's slots from `front` move to its start (in place)."""
@@ -259,7 +262,10 @@ class StaticSlots:
 
     def compact(self, window_keep: torch.Tensor | None = None) -> None:
         """Every row's real slots move to the end, in order (`compaction`), in place."""
-        keep, order, window_order, front, mask = compaction(self._mask[:self.rows, :self.used], self.front, window_keep)
+        real = self._mask[:self.rows, :self.used]
+        if window_keep is not None and len(window_keep) < self.rows:      # (dummy rows: their own slot)
+            window_keep = torch.cat([window_keep, real[len(window_keep):, self.front:]])
+        keep, order, window_order, front, mask = compaction(real, self.front, window_keep)
         pairs = self.views[self.rows]
         moved = [tuple(t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])) for t in pair)
                  for pair, index in zip(pairs, (window_order if ringed else order for ringed in self.in_ring))]
