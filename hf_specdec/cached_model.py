@@ -173,6 +173,7 @@ class CachedModel:
 
     def _forward(self, tokens: torch.Tensor, real: torch.Tensor | None, counts: list[int] | None, *,
                  keep: int) -> torch.Tensor:
+        """`forward` of columns that fit the cache."""
         out_device, n = tokens.device, tokens.shape[0]
         width = tokens.shape[1]
         arranged = None
