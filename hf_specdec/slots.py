@@ -57,7 +57,6 @@ class DynamicSlots:
         # window (`CachedModel._trim_window`); full-attention layers hold them all
         self.front = 0
         self.sliding = _compat.sliding_layers(model)
-        self.forgets_window = bool(self.sliding)
         self.ring = None          # (they grow with each forward)
 
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
@@ -72,6 +71,11 @@ class DynamicSlots:
 
     def reserve(self, width: int) -> None:
         """Room for `width` more slots: a dynamic cache grows anyway."""
+
+    @property
+    def forgets_window(self) -> bool:
+        """Whether the sliding-window layers forget slots (`CachedModel._trim_window`)."""
+        return bool(self.sliding)
 
     def step_back(self, used: int) -> None:
         """Slots from `used` on are holes in every row: forget them."""
@@ -141,7 +145,7 @@ class StaticSlots:
         self.in_ring: list[bool] = []                                   # per entry of `full`: a ring's
         self.views: dict[int, list] = {}                               # rows -> per layer views of `full`
         self.made_for = None                                           # (dtype, device, ring) of the allocation
-        self.front, self.ring, self.sliding, self.forgets_window = 0, None, set(), False
+        self.front, self.ring, self.sliding = 0, None, set()
 
     def reset(self, model: torch.nn.Module, n: int, max_length: int, compile_config, device,
               warmups: WarmupCount, ring: int | None = None) -> None:
@@ -158,7 +162,7 @@ class StaticSlots:
         if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows or made_for != self.made_for:
             # (allocated by the first forward: an eager prefill of `rows` rows)
             self.capacity = max(needed, self.capacity)
-            self.ring, self.forgets_window = ring, ring is not None
+            self.ring = ring
             self.sliding = _compat.sliding_layers(model) if ring else set()
             self.cache = _compat.new_static_cache(model, self.capacity, self.sliding, ring or 0)
             self.full, self.views, self.alloc_rows = [], {}, 0
@@ -175,6 +179,11 @@ class StaticSlots:
     def mask(self) -> torch.Tensor:
         """[n, used]: the real rows' slots (a view: writes go through)."""
         return self._mask[:self.n, :self.used]
+
+    @property
+    def forgets_window(self) -> bool:
+        """Whether the sliding-window layers are a ring (`CachedModel._trim_window`)."""
+        return self.ring is not None
 
     def _mark_dummies(self) -> None:
         self._mask[self.n:] = False
