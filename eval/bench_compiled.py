@@ -9,7 +9,7 @@ Methods, interleaved in one process after an untimed round that compiles them:
   plain/static  Transformers' own compiled plain generate() (its code path: the class's generate())
   fixed:0       ours, every step plain (the draft never runs)
   fixed:4       ours, k = 4 with the draft
-  auto          ours, the default policy (`assistant_model=` alone); its first call is the untimed one
+  auto          ours, the default policy (no `spec_policy`); its first call is the untimed one
 Pairs: `cheap` = `hf_specdec.testing.exact_cheap_pair()` (8-layer 384-wide target, a 1-layer draft
 that computes exactly its function; 16 random prompt tokens); `smollm2` = the embedded
 SmolLM2-135M (30 layers) with its first 4 layers as the draft, HumanEval prompts.
@@ -94,7 +94,7 @@ def measure(target, draft, inputs: dict, new_tokens: int, rounds: int) -> dict:
                                        "graphs": counters["stats"]["unique_graphs"] - graphs})
             return out
         policy = {} if method.name == "auto" else {"spec_policy": method.name}
-        out = target.generate(custom_generate=hf_specdec.generate, assistant_model=draft,
+        out = target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft],
                               return_dict_in_generate=True, **policy, **kwargs)
         calls[method.name].append(call_record(out.spec_stats, time.perf_counter() - start,
                                               counters["stats"]["unique_graphs"] - graphs))
