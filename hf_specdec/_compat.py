@@ -534,45 +534,6 @@ def set_static_tensors(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     layer.max_cache_len = keys.shape[2]
 
 
-def decoder_layers(model: torch.nn.Module, cache) -> list[tuple[torch.nn.Module, object]] | None:
-    """The decoder layers of `model` [num_hidden_layers], each with the StaticCache layer it writes
-    (`cache.layers[i]`, read by the layer's attention as `cache.update(..., self.layer_idx)`), or
-    None where that pairing is not plain: no `get_decoder()` list of layers, a layer whose modules
-    hold another `layer_idx`, or a KV-sharing layer."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    count = model.config.get_text_config(decoder=True).num_hidden_layers
-    layers = next((m for m in (decoder.children() if decoder is not None else ())
-                   if isinstance(m, torch.nn.ModuleList) and len(m) == count), None)
-    if layers is None or len(cache.layers) != count or any(isinstance(c, DummyLayer) for c in cache.layers):
-        return None
-    if any(getattr(m, "layer_idx", i) != i for i, layer in enumerate(layers) for m in layer.modules()):
-        return None
-    return list(zip(layers, cache.layers))
-
-
-class LayerCache:
-    """One layer of a StaticCache seen as the whole cache by the decoder layer that writes it:
-    `update` ignores the layer index, so every layer's compiled graph is the same (the index would
-    be a constant of the graph: one graph per layer). Anything else is the cache's own."""
-
-    def __init__(self, cache, layer):
-        self.cache, self.layer = cache, layer
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layer.update(key_states, value_states, *args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.cache, name)
-
-
-def with_layer_cache(args: tuple, kwargs: dict, layer_cache: LayerCache) -> tuple[tuple, dict]:
-    """A decoder layer's arguments with the model's cache (passed by name or by position, as the
-    model does) replaced by its `layer_cache`."""
-    cache = layer_cache.cache
-    return (tuple(layer_cache if a is cache else a for a in args),
-            {k: layer_cache if v is cache else v for k, v in kwargs.items()})
-
-
 def compile_config(model: torch.nn.Module, generation_config):
     """The `CompileConfig` a static-cache generate() call compiles `model`'s decoding forwards with,
     or None where Transformers would not compile (`_valid_auto_compile_criteria`: CUDA-like devices

@@ -234,17 +234,15 @@ class CachedModel:
         n, used = len(self.num_real), self.num_slots
         return keys[:n, :, :used], values[:n, :, :used]
 
-    def model_mask(self, slots: torch.Tensor | None, positions: torch.Tensor, four_d: bool = False):
+    def model_mask(self, slots: torch.Tensor | None, positions: torch.Tensor):
         """The attention mask the model gets for a forward at `positions` [rows, w] over slots
         [rows, s] (the forward's own included; None: no holes, no window): the slot mask itself, or
-        with sliding-window layers (or `four_d`) `window_masks`, as a mapping by layer kind for
+        with sliding-window layers `window_masks`, as a mapping by layer kind for
         models with both kinds (as Transformers' own masks for them are). A 4-D mask is the model's
         own: it is never left out for sdpa's `is_causal`, which would make another graph."""
-        if self.window is None and not four_d:
+        if self.window is None:
             return slots
         masks = window_masks(self.model, slots, positions, self.window, self.slots.window_columns)
-        if self.window is None:
-            return masks["full_attention"]
         if self.stateful:       # a recurrent layer's: none (each row's holes come after its real tokens)
             return masks | dict.fromkeys(_compat.state_kinds(self.model))
         return masks if self.full_layers_too else masks["sliding_attention"]
@@ -407,7 +405,7 @@ def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.T
     from each slot's real position (the real slots before it), by layer kind: "full_attention"
     causal, "sliding_attention" also within `window` tokens (None: no sliding layers), of the
     columns `window_columns` picks (the slots a sliding layer holds); in `model`'s attention's format."""
-    # built at [rows, 1, w, s], not as views of [rows, w, s]: a compiled layer guards on a view's base
+    # built at [rows, 1, w, s], not as views of [rows, w, s]: a compiled forward guards on a view's base
     key_positions = slots.long().cumsum(1)[:, None, None, :] - 1                    # [rows, 1, 1, s]
     query_positions = positions[:, None, :, None]                                   # [rows, 1, w, 1]
     causal = slots[:, None, None, :] & (key_positions <= query_positions)           # [rows, 1, w, s]

@@ -16,6 +16,7 @@ call goes to Transformers' paged path with its speculation arguments handed to o
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import types
 import weakref
@@ -161,6 +162,9 @@ def disable(model):
     again, and what its calls kept (static caches of every model they ran, learned "auto" policies:
     kept.py) is freed. Returns `model`."""
     kept.forget(model)
+    # dynamo's tracing leaves reference cycles holding a compiled call's inputs (a KV cache):
+    # collected here, so the storages' memory goes now (not on any call's path)
+    gc.collect()
     if not hasattr(model, _ATTR):
         return model
     for name, previous in getattr(model, _ATTR).items():

@@ -39,7 +39,6 @@ Names, one per idea:
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -131,15 +130,10 @@ class DecodingLoop:
             self.close()
 
     def close(self) -> None:
-        """The call ends (or failed): what its models were lent goes back. After a call that
-        compiled, dynamo's tracing leaves reference cycles holding the traced inputs (a KV cache):
-        collected now, so a storage's memory is freed with the storage (`hf_specdec.disable`),
-        not at some later collection."""
+        """The call ends (or failed): what its models were lent goes back."""
         self.target.close()
         for drafter in self.drafters:
             drafter.close()
-        if self.batch.warmups.calls:
-            gc.collect()
 
     def context(self, step: int, start: RowInts, room: RowInts) -> StepContext:
         """What the policy sees before step `step`, from the host's copy of the rows' numbers:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _compat
-from .compiled import WarmupCount, compiled_forwards, rows_bucket, width_tier
+from .compiled import WarmupCount, compiled_forwards
 
 
 def compaction(real: torch.Tensor, front: int, window_keep: torch.Tensor | None = None):
@@ -155,7 +155,8 @@ class StaticSlots:
         ring: the slots of a sliding-window layer (None: as many as a full one)."""
         self.compiled = compiled_forwards(model, compile_config) if compile_config else None
         self.warmups = warmups
-        self.n, self.rows = n, rows_bucket(n) if self.compiled else n
+        self.n, self.first_rows = n, n
+        self.rows = self.compiled.rows(n, n) if self.compiled else n
         needed = static_capacity(max_length)
         ring = ring if ring is not None and ring < needed else None
         made_for, self.made_for = self.made_for, (model.dtype, torch.device(device), ring)
@@ -168,8 +169,6 @@ class StaticSlots:
             self.full, self.views, self.alloc_rows = [], {}, 0
         else:
             self._use_rows(self.rows)
-        # the layers the compiled forwards run, paired with their cache layers (None: the whole forward)
-        self.layers = self.compiled.layers(model, self.cache) if self.compiled else None
         self.used, self.moves, self.front = 0, 0, 0      # moves: compactions so far (`CachedModel.open_region`)
         self._set_length()
         self._mask = torch.zeros(self.alloc_rows or self.rows, self.capacity, dtype=torch.bool, device=device)
@@ -201,7 +200,7 @@ class StaticSlots:
                 for t in pair:
                     torch._dynamo.mark_static_address(t)      # as Transformers tags its own cache tensors
                     if self.compiled:
-                        torch._dynamo.maybe_mark_dynamic(t, 0)     # one graph for every row bucket
+                        torch._dynamo.maybe_mark_dynamic(t, 0)     # one graph for every row count
         for layer, (k, v) in zip(_compat.static_layers(self.cache), self.views[rows]):
             _compat.set_static_tensors(layer, k, v)
         self.rows = rows
@@ -209,7 +208,7 @@ class StaticSlots:
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
         """As `DynamicSlots.forward`; compiled at a tier shape once the cache is allocated."""
         n, end = tokens.shape
-        tier = width_tier(end) if self.compiled and self.full else None
+        tier = self.compiled.width(end) if self.compiled and self.full else None
         width = tier or end
         self.reserve(width)
         if self.ring is not None and self.used - self.front + width > self.ring:
@@ -230,10 +229,9 @@ class StaticSlots:
                 self.alloc_rows = self.rows
                 self._use_rows(self.rows)
             return logits
-        four_d = self.layers is not None       # (compiled layers: Transformers' own mask would at times be None)
-        logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions, four_d=four_d), positions,
-                               cache_position, _compat.cache_kwargs(runner.model, self.cache),
-                               self.full[0][0].data_ptr(), self.warmups, self.layers, slice(end - keep, end))
+        logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions), positions, cache_position,
+                               _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr(),
+                               self.warmups, slice(end - keep, end))
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits
@@ -262,7 +260,7 @@ class StaticSlots:
         grown when that is not enough. It moves slots: a caller that will step back to `used`
         reserves the whole speculative region first."""
         if self.compiled and self.full:
-            width = width_tier(width) or width
+            width = self.compiled.width(width) or width
         if self.used + width <= self.capacity or not self.full:
             return
         self.compact()
@@ -326,7 +324,7 @@ class StaticSlots:
         """Keep rows `keep` [m]: copied to the front of the allocation (gathered first: the row
         sets overlap); the view drops to the bucket of m rows, whose rows past m are dummies."""
         m = len(keep)
-        rows = rows_bucket(m) if self.compiled else m
+        rows = self.compiled.rows(m, self.first_rows) if self.compiled else m
         index = torch.cat([keep, keep.new_zeros(rows - m)])                       # [rows]: dummies copy row 0
         if self.full:
             picked = [t[index] for pair in self.views[self.rows] for t in pair] if m else []

@@ -29,12 +29,11 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _graphs_per_function(*models) -> list[int]:
-    """Dynamo's cache entries (compiled graphs) of each compiled layer function the decoder layers
-    of these models run (`regions.py`; one per layer class and config, shared by the models)."""
-    classes = {type(layer) for model in models for layer in model.get_decoder().layers}
-    return [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__))
-            for (_, layer_class), f in regions._functions.items() if layer_class in classes]
+def _graphs_per_model(*models) -> list[int]:
+    """Dynamo's cache entries (compiled graphs) of each model's compiled forward (one function per
+    model, device and config)."""
+    return [sum(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.code)) for f in compiled._COMPILED[m].values())
+            for m in models]
 
 
 def _circle_call(target, draft, ids, new, policy, eos=None):
@@ -52,14 +51,18 @@ def _circle_call(target, draft, ids, new, policy, eos=None):
     return _graphs() - before
 
 
-def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_calls_grow_and_shrink(caplog, monkeypatch):
+@pytest.mark.parametrize("padded", [True, False])
+def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(padded, caplog, monkeypatch):
     """Rows reach EOS one after another (a circle model continues last+1, ...), so the batch drops
-    from bucket 8 to 4, 2 and 1 while k cycles through every tier: the target's and the draft's
-    layers (one class, one size) run one compiled graph (rows, width and capacity are dynamic, and
-    never 1). Neither a smaller batch nor a cache that grows compiles anything; calls that need no
-    growth reuse the same cache tensors. The compile is logged, saying what it compiled."""
+    from 8 rows to 1 while k cycles through every tier. Padded as on CUDA (rows to a bucket of at
+    least 2, widths to a tier of at least 2) each model's forward is one compiled graph; exact, as on
+    the CPU, two (one-token forwards are a graph of their own; a batch keeps 2 rows as its rows
+    finish). A smaller batch compiles nothing, nor does a cache that grows once one grew (which
+    makes the capacity dynamic: dynamo's automatic rule, which remembers it per code location, so
+    an earlier test's growth may have done it); calls that need no growth reuse the same cache
+    tensors. The compile is logged."""
     caplog.set_level(logging.INFO, logger="hf_specdec.compiled")
-    monkeypatch.setattr(regions, "_functions", {})     # not the layer functions of earlier tests
+    monkeypatch.setattr(compiled, "pads_shapes", lambda device: padded)
     vocab, eos = 512, 500
     target = circle_model("toy", vocab=vocab, dtype=torch.float32)
     draft = circle_model("toy", vocab=vocab, alpha=0.7, dtype=torch.float32)
@@ -67,19 +70,41 @@ def test_one_graph_for_every_layer_of_both_models_while_k_moves_rows_retire_call
     ids[:, -1] = eos - torch.tensor([3, 7, 12, 18, 25, 31, 45, 60])             # rows stop at those steps
     ks = Scripted(lambda step: compiled_ks[step % len(compiled_ks)])
     compiled_ks = (0, 1, 2, 4, 6, 8, 3, 16)
-    assert _circle_call(target, draft, ids, 40, ks, eos) == 1                     # target and draft layers
-    assert _graphs_per_function(target, draft) == [1]
-    assert [r.getMessage().split(" in ")[0] for r in caplog.records if r.name == "hf_specdec.compiled"] == [
-        "compiled 1 graph(s) of Qwen2ForCausalLM's decoding forward (its decoder layers)"]
+    per_model = 1 if padded else 2
+    assert _circle_call(target, draft, ids, 40, ks, eos) == 2 * per_model
+    assert _graphs_per_model(target, draft) == [per_model, per_model]
+    assert {r.getMessage().split(" in ")[0] for r in caplog.records if r.name == "hf_specdec.compiled"} == {
+        "compiled 1 graph(s) of Qwen2ForCausalLM's decoding forward"}
     address = _kept(target).full[0][0].data_ptr()
     assert _circle_call(target, draft, ids[:3], 40, ks) == 0                      # fewer rows, same capacity
     assert _kept(target).full[0][0].data_ptr() == address
-    assert _circle_call(target, draft, ids[:4], 300, ks) == 0                     # 256 -> 512 slots
+    assert _circle_call(target, draft, ids[:4], 300, ks) <= 2 * per_model        # 256 -> 512 slots
     assert _kept(target).capacity == 512
     assert _circle_call(target, draft, ids[:2], 40, ks) == 0
     assert _circle_call(target, draft, ids[:5], 600, ks) == 0                     # 512 -> 1024 slots
-    assert _graphs_per_function(target, draft) == [1]
+    assert all(per_model <= graphs <= 2 * per_model for graphs in _graphs_per_model(target, draft))
     assert not counters["graph_break"]
+
+
+def test_a_call_of_one_row_runs_one_row_on_the_cpu(monkeypatch):
+    """Unpadded (the CPU), a call of one row runs its compiled forwards at one row and their exact
+    widths: a plain step is [1, 1], as Transformers' own compiled plain step."""
+    target, draft = layer_skip_pair(0.5, layers=2, hidden=64, vocab=512)
+    shapes, call = [], compiled.CompiledForwards.__call__
+
+    def watched(self, model, input_ids, *args, **kwargs):
+        shapes.append((model is target, *input_ids.shape))
+        return call(self, model, input_ids, *args, **kwargs)
+    monkeypatch.setattr(compiled.CompiledForwards, "__call__", watched)
+    ids = torch.randint(3, 512, (1, 6), generator=torch.Generator().manual_seed(0))
+    for policy in ("fixed:0", "fixed:3"):
+        shapes.clear()
+        out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=12, do_sample=False,
+                   cache_implementation="static", compile_config=_compile_config())
+        assert_same(out, target.generate(input_ids=ids, max_new_tokens=12, do_sample=False))
+        assert len(shapes) > 8 and all(rows == 1 for _, rows, _ in shapes)
+        widths = {width for is_target, _, width in shapes if is_target}
+        assert widths == {1} if policy == "fixed:0" else 3 + 1 in widths       # k = 3: 4 tokens verified
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -125,8 +150,8 @@ def _overwrite_cases(model, draft, other):
 def test_outputs_overwritten_by_the_next_compiled_call_change_nothing(case, monkeypatch):
     """CUDA graph trees overwrite a compiled call's outputs at the next call: with a backend that
     does so (NaN-filling them), every step record and token is the eager backend's, and greedy
-    output is plain generate()'s. (The whole forward compiled, as on CUDA with graphs.)"""
-    monkeypatch.setattr(compiled.CompiledForwards, "layers", lambda self, model, cache: None)
+    output is plain generate()'s (shapes padded, as on CUDA with graphs)."""
+    monkeypatch.setattr(compiled, "pads_shapes", lambda device: True)
     model = build("llama", 2, seed=0, vocab=256)
     draft, other = noisy_copy(model, 0.3), noisy_copy(model, 0.6, seed=2)
     drafters, policy, do_sample = _overwrite_cases(model, draft, other)[case]
@@ -152,8 +177,8 @@ def test_real_inductor_on_the_cpu_is_exact_and_compiles_once(monkeypatch):
     """The real inductor backend (code generation and all), as a GPU runs it minus the CUDA graphs:
     a batch drafting with prompt lookup (one compiled model; the prompts hold the continuation's
     first tokens, so drafts are found and accepted), identical to plain, and a second call with
-    another batch size and other draft lengths compiles nothing."""
-    monkeypatch.setattr(regions, "_functions", {})
+    another batch size and other draft lengths compiles nothing (two graphs: a step whose rows all
+    found no draft is one token wide, a graph of its own)."""
     target = circle_model("toy", vocab=512, dtype=torch.float32)
     ids = torch.stack([torch.cat([torch.arange(s + 5, s + 13), torch.arange(s, s + 5)]) for s in (20, 100, 300)])
     mask = torch.ones_like(ids)
@@ -168,7 +193,7 @@ def test_real_inductor_on_the_cpu_is_exact_and_compiles_once(monkeypatch):
         assert torch.equal(out.sequences[:, ids.shape[1]:], circle_continuation(ids[:rows], 24, 512))
         assert sum(sum(s.accepted) for s in out.spec_stats.steps) > 5
         graphs.append(_graphs() - before)
-    assert graphs == [1, 0]
+    assert graphs == [2, 0]
 
 
 COMPILE_S = 1000.0   # what a graph's first call takes on the test's clock: more than every forward together
@@ -260,7 +285,8 @@ def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
     back over the pad, so the last one writes the speculative region's k-th slot. Caches with no
     slack (compacted every few steps) reach the case where the free room is exactly what the
     drafter reserved: no compaction may move slots inside its region. Rows accept unevenly; the
-    output is exact and the drafts' acceptance is what a roomy cache gives."""
+    output is exact and the drafts' acceptance is what a roomy cache gives. (Padded, as on CUDA.)"""
+    monkeypatch.setattr(compiled, "pads_shapes", lambda device: True)
     target, draft = layer_skip_pair(0.5, layers=3, hidden=64, vocab=512)
     target.generation_config.eos_token_id = None
     ids, mask = prompts(3, seed=3, min_len=3, max_len=12, vocab=512)
@@ -273,7 +299,7 @@ def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
     edges, reserve = [], slots.StaticSlots.reserve
 
     def watched(self, width):
-        tier = compiled.width_tier(width) if self.compiled and self.full else width
+        tier = self.compiled.width(width) if self.compiled and self.full else width
         if tier and self.used + tier == self.capacity:
             edges.append(width)
         return reserve(self, width)
@@ -285,18 +311,34 @@ def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
     assert tight.spec_stats.acceptance_rate == roomy.spec_stats.acceptance_rate
 
 
-def test_the_whole_forward_compiles_on_cuda_else_the_layers(monkeypatch):
-    """On CUDA the whole forward compiles (CUDA graphs need it); elsewhere the decoder layers,
-    each with its own cache layer. Layers their owner compiled are left to the whole-forward path."""
-    from transformers import StaticCache
-    model = build("llama", 2, seed=0)
-    cache = StaticCache(config=model.config, max_cache_len=8)
-    forwards = compiled.CompiledForwards(CompileConfig())
-    pairs = forwards.layers(model, cache)
-    assert [layer for layer, _ in pairs] == list(model.model.layers)
-    assert [c for _, c in pairs] == list(cache.layers)
-    model.model.layers[1].compile()
-    assert forwards.layers(model, cache) is None
-    model.model.layers[1]._compiled_call_impl = None
-    monkeypatch.setattr(compiled._compat, "execution_device", lambda m: torch.device("cuda"))
-    assert forwards.layers(model, cache) is None
+def test_decoder_layers_are_compile_regions_only_while_our_compiled_forward_runs():
+    """`regions.layer_regions`: inside, each decoder layer's forward is its region (the same object
+    every time: dynamo guards on it) and computes what the layer computes; nested uses count; after,
+    the layers are as they were, and nothing keeps the model alive. A layer with a forward of its
+    own (an accelerate hook's) is left alone."""
+    import gc
+    import weakref
+    model = build("llama", 3, seed=0)
+    layers = list(model.model.layers)
+    hooked = layers[2].forward = layers[2].forward        # an instance forward, as a hook sets one
+    x = torch.randn(1, 4, model.config.hidden_size)
+    position = torch.arange(4)[None]
+    rotary = model.model.rotary_emb(x, position)
+    eager = layers[0](x, position_embeddings=rotary)
+    with regions.layer_regions(model):
+        first = [layer.__dict__.get("forward") for layer in layers]
+        with regions.layer_regions(model):
+            assert [layer.__dict__.get("forward") for layer in layers] == first
+        assert [layer.__dict__.get("forward") for layer in layers] == first
+        assert first[0] is not None and first[1] is not None and first[2] is hooked
+        assert torch.equal(layers[0](x, position_embeddings=rotary), eager)
+    with regions.layer_regions(model):
+        assert [layer.__dict__.get("forward") for layer in layers] == first      # the same objects
+    assert [("forward" in layer.__dict__) for layer in layers] == [False, False, True]
+    ref = weakref.ref(model)
+    del model, layers, first, hooked
+    gc.disable()
+    try:
+        assert ref() is None          # freed by reference counting
+    finally:
+        gc.enable()
