@@ -19,14 +19,13 @@ compiled, and whether the output is plain generate()'s (eager, float32).
 Steady: the methods interleaved in this process after an untimed round that compiles them;
 seconds per call and speed over Transformers' compiled plain.
 
-Methods: plain/static (Transformers' own compiled plain generate(), its code path), ours (fixed:4
-with the draft, static cache: its decoder layers compiled, `hf_specdec/regions.py`) and ours-whole
-(the same with the whole forward compiled, as CUDA graphs need it and as every device did before).
+Methods: plain/static (Transformers' own compiled plain generate(), its code path) and ours (fixed:4
+with the draft, static cache: the whole forward compiled, its decoder layers nested compile regions,
+`hf_specdec/regions.py`).
 Cells are written as they finish; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from harness import Results, arguments, interleaved, parse, speed
 from report import figure
 
 logger = logging.getLogger("bench_first_call")
-METHODS = ("plain/static", "ours", "ours-whole")
+METHODS = ("plain/static", "ours")
 MARK = "FIRST-CALL "
 
 
@@ -63,21 +62,6 @@ def inputs(tokenizer) -> dict:
     return encode(tokenizer, humaneval_texts(tokenizer, limit=1), chat=True)
 
 
-@contextlib.contextmanager
-def whole_forward(on: bool):
-    """While open (and `on`), our compiled forwards compile the whole model, not its layers."""
-    from hf_specdec import compiled
-    if not on:
-        yield
-        return
-    layers = compiled.CompiledForwards.layers
-    compiled.CompiledForwards.layers = lambda self, model, cache: None
-    try:
-        yield
-    finally:
-        compiled.CompiledForwards.layers = layers
-
-
 def call(method: str, target, draft, prompt: dict, new_tokens: int) -> torch.Tensor:
     """One generate() call of `method` (Transformers' own generate() for plain)."""
     import hf_specdec
@@ -88,9 +72,8 @@ def call(method: str, target, draft, prompt: dict, new_tokens: int) -> torch.Ten
                   compile_config=config)
     if method == "plain/static":
         return type(target).generate(target, **kwargs)
-    with whole_forward(method == "ours-whole"):
-        return target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy="fixed:4",
-                               **kwargs)
+    return target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy="fixed:4",
+                           **kwargs)
 
 
 def child(method: str, new_tokens: int) -> None:
