@@ -40,18 +40,14 @@ METHODS = ("plain/static", "fixed:0", "fixed:4", "auto")
 def models(pair: str):
     """(target, draft, inputs(batch) -> generate()'s input dict)."""
     if pair == "cheap":
+        from envs import random_ids
         from hf_specdec.testing import exact_cheap_pair
         target, draft = exact_cheap_pair()
-        return target, draft, lambda batch: _random_ids(target.config.vocab_size, batch)
+        return target, draft, lambda batch: random_ids(target.config.vocab_size, batch, length=16)
     from bench_first_call import models as smollm2
     from envs import encode, humaneval_texts
     target, tokenizer, draft = smollm2()
     return target, draft, lambda batch: encode(tokenizer, humaneval_texts(tokenizer, style="raw", limit=batch))
-
-
-def _random_ids(vocab: int, rows: int) -> dict:
-    ids = torch.randint(3, vocab, (rows, 16), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def compile_kwargs() -> dict:

@@ -141,7 +141,7 @@ class CompiledForwards:
             self.function, self.code = torch.compile(fresh, **self.options), fresh.__code__
         with compile_log(model) as compiled, regions.layer_regions(model):
             logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs, keep)
-        if calls <= WARMUP_CALLS or compiled():      # (a guard that failed compiles a seen shape anew)
+        if calls <= WARMUP_CALLS or compiled["graphs"]:      # (a guard that failed compiles a seen shape anew)
             warmups.calls += 1
         return logits[:, columns.start - start:columns.stop - start].clone()      # (the next call overwrites a CUDA graph's outputs)
 
@@ -149,10 +149,10 @@ class CompiledForwards:
 @contextlib.contextmanager
 def compile_log(model: torch.nn.Module):
     """Logs (INFO) the graphs a compiled forward of `model` compiled, and how long that took;
-    yields a function that says how many it compiled (after the block)."""
-    graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
-    yield lambda: counters["stats"]["unique_graphs"] - graphs
-    compiled = counters["stats"]["unique_graphs"] - graphs
+    yields a dict whose "graphs" says how many (after the block)."""
+    graphs, start, record = counters["stats"]["unique_graphs"], time.perf_counter(), {}
+    yield record
+    compiled = record["graphs"] = counters["stats"]["unique_graphs"] - graphs
     if compiled:
         logger.info("compiled %d graph(s) of %s's decoding forward in %.1f s", compiled,
                     type(model).__name__, time.perf_counter() - start)
