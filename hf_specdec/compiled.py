@@ -26,6 +26,7 @@ outputs: they are copied out at once (`CompiledForwards.__call__`). The first ca
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 import types
@@ -136,8 +137,11 @@ class CompiledForwards:
         key = (*input_ids.shape, masks[0].shape[-1], len(keep), cache_address)
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if self.function is None:
-            # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object
-            fresh = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "compiled_forward")
+            # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object,
+            # and what its automatic-dynamic rule learnt per code name: a name of its own, so another
+            # model's shapes decide nothing here
+            name = f"compiled_forward_{next(_names)}"
+            fresh = types.FunctionType(_forward.__code__.replace(co_name=name), _forward.__globals__, name)
             self.function, self.code = torch.compile(fresh, **self.options), fresh.__code__
         with compile_log(model) as compiled, regions.layer_regions(model):
             logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs, keep)
@@ -158,6 +162,7 @@ def compile_log(model: torch.nn.Module):
                     type(model).__name__, time.perf_counter() - start)
 
 
+_names = itertools.count()     # compiled functions made so far (their code names)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {key: CompiledForwards}
 
 
