@@ -1,9 +1,16 @@
 """A model's decoding forward over a static KV cache: compiled once, run at every decoding shape.
 
-One function per model, device and `CompileConfig` compiles the model's whole forward, as
+One object per model, device and `CompileConfig` compiles the model's whole forward, as
 Transformers compiles its plain decoding: one graph, one set of guards and one call a forward.
-Its decoder layers are nested compile regions (`regions.py`): inductor compiles one layer and calls
-it per layer, so a deep model compiles about as fast as a shallow one. The rows, the width and
+Two compiled functions share the work:
+  - one-token forwards (plain steps, the draft's forwards: the hot path) inline every layer, as
+    Transformers' own compiled decoding does;
+  - wider ones (verification) run the decoder layers as nested compile regions (`regions.py`):
+    inductor compiles one layer and calls it per layer, so their graph compiles about as fast for
+    a deep model as for a shallow one. A region's call costs about 0.1 ms a layer on the CPU
+    (inductor's Python wrapper of the subgraph): paid once a speculative step, not every token.
+Where shapes pad (CUDA) no forward is one token wide: every forward runs the regional function,
+and CUDA graphs replay its wrappers' work for free. The rows, the width and
 the logits kept are marked dynamic: one graph serves them all, but dynamo specialises sizes 0 and
 1, so a size of 1 has a graph of its own. The cache's capacity follows dynamo's automatic rule (a
 static-address tensor's sizes are not marked): a grown cache recompiles once, then it is dynamic.
@@ -81,7 +88,7 @@ def _forward(model, input_ids, attention_mask, position_ids, cache_position, cac
 
 class CompiledForwards:
     """One model's whole forward compiled with `compile_config` (Transformers' `CompileConfig`) for
-    `device`, its decoder layers nested compile regions.
+    `device` (forwards wider than one token with its decoder layers as nested compile regions).
 
     `dynamic`: the config's True makes every size symbolic; otherwise (Transformers' default False,
     or None) the rows, the width and the kept logits are marked dynamic, and other sizes (the
@@ -93,7 +100,8 @@ class CompiledForwards:
         self.options["dynamic"] = True if self.options.get("dynamic") else None
         self.key = (repr(sorted(compile_config.to_dict().items())), str(device))
         self.pads = pads_shapes(device)
-        self.function = self.code = None        # made at its first call
+        self.functions: dict[bool, object] = {}     # regional? -> compiled function (made at first use)
+        self.codes: list[types.CodeType] = []       # their code objects (dynamo keeps graphs per code)
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
 
     def rows(self, n: int, first: int) -> int:
@@ -136,15 +144,18 @@ class CompiledForwards:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         key = (*input_ids.shape, masks[0].shape[-1], len(keep), cache_address)
         calls = self.calls[key] = self.calls.get(key, 0) + 1
-        if self.function is None:
+        regional = input_ids.shape[1] > 1
+        if regional not in self.functions:
             # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object,
             # and what its automatic-dynamic rule learnt per code name: a name of its own, so another
             # model's shapes decide nothing here
             name = f"compiled_forward_{next(_names)}"
             fresh = types.FunctionType(_forward.__code__.replace(co_name=name), _forward.__globals__, name)
-            self.function, self.code = torch.compile(fresh, **self.options), fresh.__code__
-        with compile_log(model) as compiled, regions.layer_regions(model):
-            logits = self.function(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs, keep)
+            self.functions[regional] = torch.compile(fresh, **self.options)
+            self.codes.append(fresh.__code__)
+        with compile_log(model) as compiled, regions.layer_regions(model) if regional else contextlib.nullcontext():
+            logits = self.functions[regional](model, input_ids, attention_mask, position_ids, cache_position,
+                                              cache_kwargs, keep)
         if calls <= WARMUP_CALLS or compiled["graphs"]:      # (a guard that failed compiles a seen shape anew)
             warmups.calls += 1
         return logits[:, columns.start - start:columns.stop - start].clone()      # (the next call overwrites a CUDA graph's outputs)

@@ -19,6 +19,9 @@ from . import _compat
 from .compiled import WarmupCount, compiled_forwards
 
 
+SPARE_SLOTS = 64
+
+
 def compaction(real: torch.Tensor, front: int, window_keep: torch.Tensor | None = None):
     """Where a compaction moves the slots real [rows, used]: every row's real slots to the end, in
     order (the shorter rows get holes in front); the sliding-window layers, which hold the slots
@@ -37,11 +40,15 @@ def compaction(real: torch.Tensor, front: int, window_keep: torch.Tensor | None 
     return keep, order, window_order, keep - window, mask
 
 
-def static_capacity(tokens: int) -> int:
-    """Slots per row of a static cache for rows of up to `tokens` tokens: with 64 to spare (room
-    for drafts before a compaction), a power of two, at least 256: growing is rare, and each
-    growth is a new allocation (recorded anew by CUDA graphs; a model's first may recompile)."""
-    return max(256, 1 << (tokens + 64 - 1).bit_length())
+def static_capacity(tokens: int, pads: bool) -> int:
+    """Slots per row of a static cache for rows of up to `tokens` tokens, with SPARE_SLOTS more
+    (room for drafts and holes before a compaction). Every forward attends the whole capacity, so
+    unpadded (the CPU) it is no more, as Transformers sizes its own static cache; padded (CUDA
+    graphs, `compiled.pads_shapes`) a power of two, at least 256: growing is rare, and each growth
+    is a new allocation that CUDA graphs record anew. (A model's first growth recompiles.)"""
+    if not pads:
+        return tokens + SPARE_SLOTS
+    return max(256, 1 << (tokens + SPARE_SLOTS - 1).bit_length())
 
 
 class DynamicSlots:
@@ -157,7 +164,8 @@ class StaticSlots:
         self.warmups = warmups
         self.n, self.first_rows = n, n
         self.rows = self.compiled.rows(n, n) if self.compiled else n
-        needed = static_capacity(max_length)
+        self.pads = bool(self.compiled and self.compiled.pads)
+        needed = static_capacity(max_length, self.pads)
         ring = ring if ring is not None and ring < needed else None
         made_for, self.made_for = self.made_for, (model.dtype, torch.device(device), ring)
         if self.cache is None or needed > self.capacity or self.rows > self.alloc_rows or made_for != self.made_for:
@@ -265,7 +273,7 @@ class StaticSlots:
             return
         self.compact()
         if self.used + width > self.capacity:        # new tensors: compiled graphs record them anew
-            self._grow(static_capacity(self.used + width))
+            self._grow(static_capacity(self.used + width, self.pads))
 
     def compact(self, window_keep: torch.Tensor | None = None) -> None:
         """Every row's real slots move to the end, in order (`compaction`), in place."""

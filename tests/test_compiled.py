@@ -30,10 +30,10 @@ def _graphs() -> int:
 
 
 def _graphs_per_model(*models) -> list[int]:
-    """Dynamo's cache entries (compiled graphs) of each model's compiled forward (one function per
-    model, device and config)."""
-    return [sum(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.code)) for f in compiled._COMPILED[m].values())
-            for m in models]
+    """Dynamo's cache entries (compiled graphs) of each model's compiled forwards (per model, device
+    and config: one-token and wider forwards)."""
+    return [sum(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+                for f in compiled._COMPILED[m].values() for code in f.codes) for m in models]
 
 
 def _circle_call(target, draft, ids, new, policy, eos=None):
@@ -78,10 +78,11 @@ def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(pa
     address = _kept(target).full[0][0].data_ptr()
     assert _circle_call(target, draft, ids[:3], 40, ks) == 0                      # fewer rows, same capacity
     assert _kept(target).full[0][0].data_ptr() == address
-    _circle_call(target, draft, ids[:4], 300, ks)          # 256 -> 512 slots: recompiles, the capacity dynamic
-    assert _kept(target).capacity == 512
+    capacity = _kept(target).capacity
+    _circle_call(target, draft, ids[:4], 300, ks)          # more slots: recompiles, the capacity dynamic
+    assert _kept(target).capacity > capacity
     assert _circle_call(target, draft, ids[:2], 40, ks) == 0
-    assert _circle_call(target, draft, ids[:5], 600, ks) == 0                     # 512 -> 1024 slots
+    assert _circle_call(target, draft, ids[:5], 600, ks) == 0                     # more slots again
     assert not counters["graph_break"]
 
 
@@ -294,7 +295,7 @@ def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
     static = dict(cache_implementation="static", compile_config=_compile_config(), return_dict_in_generate=True)
     roomy = spec(target, [draft], f"fixed:{k}", **kw, **static)
     forget(target)                       # the next call makes new storages, tight ones
-    monkeypatch.setattr(slots, "static_capacity", lambda tokens: tokens + 1)
+    monkeypatch.setattr(slots, "static_capacity", lambda tokens, pads: tokens + 1)
     edges, reserve = [], slots.StaticSlots.reserve
 
     def watched(self, width):

@@ -39,7 +39,7 @@ def test_greedy_identical_with_model_drafter_lookup_and_hierarchy(arch, monkeypa
 def test_full_caches_are_compacted_and_grown_without_changing_a_token(monkeypatch):
     """With no slack a static cache fills within a few steps where rows accept different counts:
     its rows are compacted (and grown when that is not enough), and the output stays exact."""
-    monkeypatch.setattr(slots, "static_capacity", lambda tokens: tokens + 1)
+    monkeypatch.setattr(slots, "static_capacity", lambda tokens, pads: tokens + 1)
     moved, reserve = [], slots.StaticSlots.reserve
 
     def counted(self, width):                  # the compactions (`moves`: each also when it grew)
