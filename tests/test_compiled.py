@@ -234,6 +234,82 @@ def test_steps_that_compiled_are_marked_and_no_policy_cost(forward_clock):
     assert measured and max(measured) < COMPILE_S
 
 
+class _ClockEvent:
+    """A CUDA event on the CPU: it records the injected clock's time (the forward clock: what the
+    forwards before it cost, as a GPU event records when the device reached it)."""
+
+    def __init__(self, enable_timing):
+        assert enable_timing
+
+    def record(self):
+        from hf_specdec import timing
+        self.at = timing.now()
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000.0
+
+
+RECORD_S = 100.0     # what a concrete shape's first calls take on the test's clock (_cuda_like_backend)
+
+
+def _cuda_like_backend(graph_module, example_inputs, **options):
+    """_compiling_backend, and the first WARMUP_CALLS calls of each concrete shape move the test's
+    clock by RECORD_S (CUDA graph trees warm a shape up, then record it)."""
+    compiled_run, calls = _compiling_backend(graph_module, example_inputs), {}
+
+    def run(*args):
+        shape = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        calls[shape] = calls.get(shape, 0) + 1
+        if calls[shape] <= 2:
+            COMPILES[0].time += RECORD_S
+        return compiled_run(*args)
+    return run
+
+
+@pytest.mark.parametrize("drafts", ["perfect", "useless"])
+def test_the_default_on_cuda_s_order_of_events_drafts_with_a_perfect_cheap_draft_only(drafts, monkeypatch, forward_clock):
+    """CUDA's order of events on the CPU: phase times are events, read only after a host read
+    (`DecodingLoop.observe_late`: with no EOS, a plain step reads nothing, so it is observed after
+    the next one that reads, or at the call's end), shapes pad to CUDA's buckets and tiers, and the
+    first calls of each shape are warm-ups the policy does not count. Costs as on a GPU: a compile
+    and each shape's first two calls (warm-up, recording) dearer than a call's every forward, a
+    forward about as dear at 5 tokens as at 1 (the forward clock), the draft an eighth of the target. With
+    a perfect draft the default leaves k = 0 within its first two calls (the first is all plain:
+    its plain steps are observed at its end) and then drafts most steps; with a useless one
+    (another model's weights: nothing accepted) it stays plain bar its probes."""
+    monkeypatch.setattr(compiled, "pads_shapes", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "Event", _ClockEvent)
+    monkeypatch.setattr(timing_module().PhaseClock, "__init__", lambda self, device: setattr(self, "events", True))
+    target, draft = layer_skip_pair(0.0, layers=8, hidden=64, vocab=512)
+    if drafts == "useless":
+        draft = build("llama", layers=1, seed=7, vocab=512, hidden=64, init=0.05)
+    target.generation_config.eos_token_id = None        # no row can stop: plain steps read nothing
+    forward_clock.costs[target], forward_clock.costs[draft] = 8.0, 1.0
+    ids = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    policy = hf_specdec.SpecPolicy(length=hf_specdec.MeasuredGoodput())     # the default's length policy
+    config = CompileConfig(fullgraph=True, backend=_cuda_like_backend)
+    config._compile_all_devices = True
+    COMPILES[:] = [forward_clock]
+    drafting = []
+    for _ in range(4):
+        out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=48, do_sample=False,
+                   cache_implementation="static", compile_config=config, return_dict_in_generate=True)
+        steps = out.spec_stats.steps
+        drafting.append(sum(s.k > 0 for s in steps) / len(steps))
+        assert_same(out.sequences, target.generate(input_ids=ids, max_new_tokens=48, do_sample=False))
+    if drafts == "perfect":
+        assert drafting[1] > 0.5 and drafting[-1] > 0.5
+    else:
+        assert max(drafting) <= 0.1
+
+
+def timing_module():
+    return importlib.import_module("hf_specdec.timing")
+
+
 def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch, forward_clock):
     """On a GPU the one host read waits for the drafting and verifying that the clock's marks
     already time: overhead_s must not count it again (emulated: a read that takes 0.05 s)."""
