@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from . import _compat
-from .compiled import WarmupCount, compiled_forwards
+from .compiled import WIDTH_TIERS, WarmupCount, compiled_forwards
 
 
-SPARE_SLOTS = 64
+SPARE_SLOTS = 64     # a padded static cache's room for drafts and holes before a compaction
 
 
 def compaction(real: torch.Tensor, front: int, window_keep: torch.Tensor | None = None):
@@ -41,13 +41,14 @@ def compaction(real: torch.Tensor, front: int, window_keep: torch.Tensor | None 
 
 
 def static_capacity(tokens: int, pads: bool) -> int:
-    """Slots per row of a static cache for rows of up to `tokens` tokens, with SPARE_SLOTS more
-    (room for drafts and holes before a compaction). Every forward attends the whole capacity, so
-    unpadded (the CPU) it is no more, as Transformers sizes its own static cache; padded (CUDA
-    graphs, `compiled.pads_shapes`) a power of two, at least 256: growing is rare, and each growth
-    is a new allocation that CUDA graphs record anew. (A model's first growth recompiles.)"""
+    """Slots per row of a static cache for rows of up to `tokens` tokens. Every forward attends
+    the whole capacity, so unpadded (the CPU) it is `tokens` and one widest compiled step more, as
+    Transformers sizes its own static cache to `max_length`: a step writes k + 1 columns for every
+    row, the longest row's too, so a compacted cache then never grows. Padded (CUDA graphs,
+    `compiled.pads_shapes`) SPARE_SLOTS more, a power of two, at least 256: growing is rare, and each
+    growth is a new allocation that CUDA graphs record anew. (A model's first growth recompiles.)"""
     if not pads:
-        return tokens + SPARE_SLOTS
+        return tokens + WIDTH_TIERS[-1]
     return max(256, 1 << (tokens + SPARE_SLOTS - 1).bit_length())
 
 
