@@ -135,6 +135,7 @@ def _ms(value) -> str:
 
 
 def markdown(payload: dict) -> str:
+    from hf_specdec.policies.base import pow2_bucket
     args = payload["args"]
     pair = {"cheap": "`exact_cheap_pair()` (8 layers, 384 wide, fp32; a 1-layer exact draft), 16-token prompts",
             "smollm2": "SmolLM2-135M (30 layers, fp32) with its first 4 layers as the draft, HumanEval prompts"}.get(
@@ -155,14 +156,15 @@ def markdown(payload: dict) -> str:
         lines += ["", f"Each call of ours (the first one compiles; plain/static: {plain_ms:.2f} ms per token "
                   "steady): wall s, s in steps, s outside them, warm-up steps, graphs compiled, CUDA-graph skips; "
                   "per k: steps, median draft / verify / overhead ms (steady steps); the default's learnt ms per "
-                  "arm k (batch bucket 1).", "",
+                  "arm k (this batch's bucket).", "",
                   "| method | call | wall s | steps s | outside s | warm-ups | graphs | skips | per k | learnt |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for method in METHODS[1:]:
             for i, c in enumerate(cell["calls"][method]):
                 per_k = "; ".join(f"k={k}: {v['steps']} x {_ms(v['draft_ms'])}/{_ms(v['verify_ms'])}/"
                                   f"{_ms(v['overhead_ms'])}" for k, v in c["per_k"].items())
-                learnt = "; ".join(f"{k}: {ms:.1f}" for k, ms in next(iter(c.get("learnt_ms", {}).values()), {}).items())
+                mine = {int(b): arms for b, arms in c.get("learnt_ms", {}).items()}.get(pow2_bucket(cell["batch"]), {})
+                learnt = "; ".join(f"{k}: {ms:.1f}" for k, ms in mine.items())
                 lines.append(f"| {method} | {i} | {c['wall_s']:.3f} | {c['steps_s']:.3f} | {c['outside_steps_s']:.3f} "
                              f"| {c['warmups']} | {c['graphs']} | {c.get('cudagraph_skips', 0)} | {per_k} | {learnt or '-'} |")
     return "\n".join(lines) + "\n"
