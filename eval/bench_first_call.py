@@ -20,8 +20,8 @@ Steady: the methods interleaved in this process after an untimed round that comp
 seconds per call and speed over Transformers' compiled plain.
 
 Methods: plain/static (Transformers' own compiled plain generate(), its code path) and ours (fixed:4
-with the draft, static cache: the whole forward compiled, its decoder layers nested compile regions,
-`hf_specdec/regions.py`).
+with the draft, static cache: whole forwards compiled, one-token ones with every layer inlined as
+Transformers', wider ones with the decoder layers as nested compile regions, `hf_specdec/regions.py`).
 Cells are written as they finish; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
