@@ -17,7 +17,8 @@ timeout "${TEST_TIMEOUT_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/t
 BUDGET_S=${BUDGET_S:-300}
 # first, the compiled path call by call: Transformers' compiled plain, ours fixed:0 / fixed:4 / default
 # on the static path, batch 1, every call's wall, steps, warm-ups, graphs, CUDA-graph skips, learnt costs
-TORCH_LOGS=recompiles timeout "$((BUDGET_S - SECONDS))" python3 eval/bench_compiled.py --pair 7b/0.5b --alpha 0.8 \
+# (at most FIRST_CELL_S, default 300: every call is logged as it ends, the cell written when it ends)
+TORCH_LOGS=recompiles timeout "${FIRST_CELL_S:-300}" python3 eval/bench_compiled.py --pair 7b/0.5b --alpha 0.8 \
     --batches 1 --out "$RESULTS/$name-compiled" 2>&1 | tee "$RESULTS/$name-compiled.log"
 python3 eval/bench_gpu.py --out "$RESULTS/$name" --pairs 7b/0.5b --alphas 0.8,0.95 --batch-sizes 1,16 \
     --budget-s "$((BUDGET_S - SECONDS))" 2>&1 | tee "$RESULTS/$name-bench.log"
