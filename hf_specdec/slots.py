@@ -165,7 +165,6 @@ class StaticSlots:
         self.warmups = warmups
         self.n, self.first_rows = n, n
         self.rows = self.compiled.rows(n, n) if self.compiled else n
-        self.pads = bool(self.compiled and self.compiled.pads)
         needed = static_capacity(max_length, self.pads)
         ring = ring if ring is not None and ring < needed else None
         made_for, self.made_for = self.made_for, (model.dtype, torch.device(device), ring)
@@ -182,6 +181,11 @@ class StaticSlots:
         self._set_length()
         self._mask = torch.zeros(self.alloc_rows or self.rows, self.capacity, dtype=torch.bool, device=device)
         self._mark_dummies()
+
+    @property
+    def pads(self) -> bool:
+        """Whether compiled forwards pad their shapes (`compiled.pads_shapes`: CUDA graphs)."""
+        return self.compiled is not None and self.compiled.pads
 
     @property
     def mask(self) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import hf_specdec
-from hf_specdec import compiled, regions, slots, testing
+from hf_specdec import compiled, regions, slots, testing, timing
 from hf_specdec.kept import forget, kept_for
 from hf_specdec.testing import build, circle_model, circle_continuation, layer_skip_pair, noisy_copy, prompts
 from helpers import Scripted, assert_same, cpu_compile_config, spec
@@ -242,7 +242,6 @@ class _ClockEvent:
         assert enable_timing
 
     def record(self):
-        from hf_specdec import timing
         self.at = timing.now()
 
     def query(self):
@@ -282,7 +281,7 @@ def test_the_default_on_cuda_s_order_of_events_drafts_with_a_perfect_cheap_draft
     (another model's weights: nothing accepted) it stays plain bar its probes."""
     monkeypatch.setattr(compiled, "pads_shapes", lambda device: True)
     monkeypatch.setattr(torch.cuda, "Event", _ClockEvent)
-    monkeypatch.setattr(timing_module().PhaseClock, "__init__", lambda self, device: setattr(self, "events", True))
+    monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device: setattr(self, "events", True))
     target, draft = layer_skip_pair(0.0, layers=8, hidden=64, vocab=512)
     if drafts == "useless":
         draft = build("llama", layers=1, seed=7, vocab=512, hidden=64, init=0.05)
@@ -304,10 +303,6 @@ def test_the_default_on_cuda_s_order_of_events_drafts_with_a_perfect_cheap_draft
         assert drafting[1] > 0.5 and drafting[-1] > 0.5
     else:
         assert max(drafting) <= 0.1
-
-
-def timing_module():
-    return importlib.import_module("hf_specdec.timing")
 
 
 def test_a_step_s_host_time_leaves_out_its_wait_for_the_device(monkeypatch, forward_clock):
