@@ -88,23 +88,31 @@ def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(pa
 
 def test_a_call_of_one_row_runs_one_row_on_the_cpu(monkeypatch):
     """Unpadded (the CPU), a call of one row runs its compiled forwards at one row and their exact
-    widths: a plain step is [1, 1], as Transformers' own compiled plain step."""
+    widths: a plain step is [1, 1], as Transformers' own compiled plain step, with every layer
+    inlined (only wider forwards run the layers as compile regions)."""
     target, draft = layer_skip_pair(0.5, layers=2, hidden=64, vocab=512)
-    shapes, call = [], compiled.CompiledForwards.__call__
+    shapes, regional, call, layer_regions = [], [], compiled.CompiledForwards.__call__, regions.layer_regions
 
     def watched(self, model, input_ids, *args, **kwargs):
         shapes.append((model is target, *input_ids.shape))
         return call(self, model, input_ids, *args, **kwargs)
+
+    def watched_regions(model):
+        regional.append(shapes[-1][2])          # the width of the forward that opened them
+        return layer_regions(model)
     monkeypatch.setattr(compiled.CompiledForwards, "__call__", watched)
+    monkeypatch.setattr(regions, "layer_regions", watched_regions)
     ids = torch.randint(3, 512, (1, 6), generator=torch.Generator().manual_seed(0))
     for policy in ("fixed:0", "fixed:3"):
         shapes.clear()
+        regional.clear()
         out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=12, do_sample=False,
                    cache_implementation="static", compile_config=_compile_config())
         assert_same(out, target.generate(input_ids=ids, max_new_tokens=12, do_sample=False))
         assert len(shapes) > 8 and all(rows == 1 for _, rows, _ in shapes)
         widths = {width for is_target, _, width in shapes if is_target}
         assert widths == {1} if policy == "fixed:0" else 3 + 1 in widths       # k = 3: 4 tokens verified
+        assert len(regional) == sum(width > 1 for *_, width in shapes) and 1 not in regional
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -255,8 +263,8 @@ RECORD_S = 100.0     # what a concrete shape's first calls take on the test's cl
 
 
 def _cuda_like_backend(graph_module, example_inputs, **options):
-    """_compiling_backend, and the first WARMUP_CALLS calls of each concrete shape move the test's
-    clock by RECORD_S (CUDA graph trees warm a shape up, then record it)."""
+    """_compiling_backend, and the first two calls of each concrete shape move the test's clock by
+    RECORD_S (CUDA graph trees warm a shape up, then record it)."""
     compiled_run, calls = _compiling_backend(graph_module, example_inputs), {}
 
     def run(*args):
