@@ -6,14 +6,19 @@ Speculative decoding pays when a forward over k + 1 tokens per row costs little 
 a single token: the weights are read once either way, so on a memory-bound device the extra rows
 are almost free. Whether they are on a CPU depends on its matrix kernels. This times
 `linear(x [m, 1536], w [8960, 1536])`, the 1.5B's MLP up-projection, for m = 1 (a decode step), the
-m of a verification (3-9) and prefill-sized m, in float32 and bfloat16 (torch's default kernels:
-MKL, or torch's own for bf16 without bf16 matrix instructions) and in float32 through oneDNN
-(`hf_specdec.embedded.use_onednn_linears`), and reports milliseconds, GFLOPS and the cost relative
-to m = 1. Writes <out>.json, <out>.md, <out>.png, stamped.
+m of a verification (3-9) and prefill-sized m, per kernel: torch's own in float32 and bfloat16 (MKL
+or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 through oneDNN
+(`hf_specdec.kernels.use_onednn_linears`), and oneDNN with the weight packed once in float32 and
+bfloat16 (`hf_specdec.packed_linear`). A model's layers each read their own weights from memory,
+so each time is one call's share of a pass over `COPIES` copies of the weight (more than a
+last-level cache holds); the kernels and widths are timed in rounds, interleaved, the median kept.
+Reports milliseconds, GFLOPS and the cost relative to m = 1. Writes <out>.json, <out>.md, <out>.png,
+stamped.
 """
 from __future__ import annotations
 
 import copy
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,48 +29,70 @@ from harness import arguments  # eval/ is on sys.path when run as a script
 from report import figure, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_specdec.embedded import use_onednn_linears  # noqa: E402
+from hf_specdec.kernels import use_onednn_linears  # noqa: E402
+from hf_specdec.packed_linear import use_packed_linears  # noqa: E402
 
-ROWS = (1, 2, 3, 5, 8, 16, 64, 256)
+ROWS = (1, 2, 3, 5, 6, 8, 16, 64, 256)
 IN_FEATURES, OUT_FEATURES = 1536, 8960
+COPIES = 8          # 8 x 27.5 MB in bf16 (55 MB in float32): beyond the 32 MB L3 of the CPUs here
 
 
-def time_layer(layer: torch.nn.Module, dtype: torch.dtype, rows: int, seconds: float = 0.5) -> float:
-    """Median seconds of one `layer` call over `rows` rows of `dtype`, repeated for about `seconds`."""
-    x = torch.randn(rows, IN_FEATURES, generator=torch.Generator().manual_seed(1)).to(dtype)
-    layer(x)                                                    # warm-up
-    times = []
-    while sum(times) < seconds or len(times) < 3:
-        start = time.perf_counter()
+def time_pass(layers: list, x: torch.Tensor) -> float:
+    """Seconds of one call, over a pass through `layers` (each its own weight) with input `x`."""
+    start = time.perf_counter()
+    for layer in layers:
         layer(x)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return (time.perf_counter() - start) / len(layers)
 
 
-def layers():
-    """(kernel name, the up-projection as a layer running on it, its input dtype), one weight for all."""
-    linear = torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False)
-    torch.nn.init.normal_(linear.weight, generator=torch.Generator().manual_seed(0))
-    onednn = torch.nn.Sequential(copy.deepcopy(linear))
-    use_onednn_linears(onednn)
-    return [("float32", linear, torch.float32), ("float32, oneDNN", onednn, torch.float32),
-            ("bfloat16", copy.deepcopy(linear).to(torch.bfloat16), torch.bfloat16)]
+def kernels() -> list[tuple[str, list, torch.dtype]]:
+    """(kernel name, COPIES copies of the up-projection running on it, its input dtype)."""
+    generator = torch.Generator().manual_seed(0)
+    linears = []
+    for _ in range(COPIES):
+        linear = torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False)
+        torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
+        linears.append(linear)
+
+    def swapped(dtype, swap):
+        out = []
+        for linear in linears:
+            layer = torch.nn.Sequential(copy.deepcopy(linear).to(dtype))
+            swap(layer)
+            out.append(layer)
+        return out
+    return [("float32", linears, torch.float32),
+            ("float32, oneDNN", swapped(torch.float32, use_onednn_linears), torch.float32),
+            ("float32, oneDNN packed", swapped(torch.float32, use_packed_linears), torch.float32),
+            ("bfloat16", [copy.deepcopy(linear).to(torch.bfloat16) for linear in linears], torch.bfloat16),
+            ("bfloat16, oneDNN packed", swapped(torch.bfloat16, use_packed_linears), torch.bfloat16)]
 
 
 def main(argv=None):
     parser = arguments(__doc__)
-    parser.add_argument("--out", default="results/cpu_matmul/this-cpu")
+    parser.add_argument("--out", default="docs/results/cpu_matmul/this-cpu")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (each kernel and width once a round)")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
+    timed = kernels()
+    inputs = {(m, dtype): torch.randn(m, IN_FEATURES, generator=torch.Generator().manual_seed(m)).to(dtype)
+              for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
+    seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
+    for _ in range(args.rounds + 1):                 # the first round warms every kernel and width up
+        for name, layers, dtype in timed:
+            for m in ROWS:
+                seconds[name, m].append(time_pass(layers, inputs[m, dtype]))
     rows_out = []
-    for kernel, layer, dtype in layers():
-        one = time_layer(layer, dtype, 1)
+    for name, _, _ in timed:
+        one = statistics.median(seconds[name, 1][1:])
         for m in ROWS:
-            t = one if m == 1 else time_layer(layer, dtype, m)
-            rows_out.append({"kernel": kernel, "rows": m, "ms": round(t * 1e3, 3),
+            t = statistics.median(seconds[name, m][1:])
+            rows_out.append({"kernel": name, "rows": m, "ms": round(t * 1e3, 3),
                              "gflops": round(2 * m * IN_FEATURES * OUT_FEATURES / t / 1e9, 1),
                              "x_one_row": round(t / one, 2)})
     lines = [f"# linear([m, {IN_FEATURES}] x [{OUT_FEATURES}, {IN_FEATURES}]): the cost of m rows against one", "",
+             f"Each time: one call's share of a pass over {COPIES} copies of the weight (read from memory, as a "
+             f"model's layers are), median of {args.rounds} rounds, kernels and widths interleaved.", "",
              "| kernel | m | ms | GFLOPS | x m=1 |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['kernel']} | {r['rows']} | {r['ms']:.2f} | {r['gflops']:.1f} | {r['x_one_row']:.2f} |" for r in rows_out]
     lines += ["", "A verification of k drafts feeds m = k + 1 rows per sequence: where x m=1 grows like m, "
