@@ -165,23 +165,22 @@ class Results:
 
 def forward_ms(model, input_ids: torch.Tensor, widths=(1,), repeats: int = 5) -> dict[int, float]:
     """Median milliseconds of one forward of `w` tokens over a cache of `input_ids` [b, p], per width
-    w (the first of each width a warm-up); the device is synchronised around each."""
+    w, the widths interleaved in `repeats` rounds after one warm-up round (a machine's drift then
+    moves every width alike); the device is synchronised around each."""
     from hf_specdec import _compat
     sync = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda: None)
     cache = _compat.new_cache(model)
     model(input_ids=input_ids, use_cache=True, **_compat.cache_kwargs(model, cache))
-    out = {}
-    for w in widths:
-        times = []
-        for _ in range(repeats + 1):
+    times = {w: [] for w in widths}
+    for _ in range(repeats + 1):
+        for w in widths:
             sync()
             start = time.perf_counter()
             model(input_ids=input_ids[:, -w:], use_cache=True, **_compat.cache_kwargs(model, cache))
             sync()
-            times.append(time.perf_counter() - start)
+            times[w].append(time.perf_counter() - start)
             _compat.crop(cache, w)
-        out[w] = round(1e3 * statistics.median(times[1:]), 2)
-    return out
+    return {w: round(1e3 * statistics.median(t[1:]), 2) for w, t in times.items()}
 
 
 class ForwardCounter:

@@ -4,7 +4,7 @@
         --max-new-tokens 32
 
 For each kernel choice (how the pair's linear layers compute, KERNELS) the pair is loaded once, then
-  forwards  each model's forward time by width (1, 2, 3, 5, 9 tokens) after a chat prompt: what
+  forwards  each model's forward time by width (1, 2, 3, 5, 6, 9 tokens, interleaved) after a chat prompt: what
             verifying k drafts costs next to a one-token step, and what a draft step costs;
   steps     plain generate() (Transformers' own) and our loop with fixed k = 0..8 drafts from the
             0.5B, prompt lookup, the hierarchy (lookup -> 0.5B -> 1.5B) and the default policy, on
@@ -42,12 +42,14 @@ KERNELS = {
     "int8-per-token": ({"int8": "per-token"}, {"int8": "per-token"}),
     "bf16": (load_arguments("bf16"), load_arguments("bf16")),
     "bf16+int8-draft": (load_arguments("bf16"), load_arguments("int8")),
+    "bf16-packed+int8-draft": (load_arguments("bf16-packed"), load_arguments("int8")),
+    "fp32-packed+int8-draft": (load_arguments("fp32-packed"), load_arguments("int8")),
 }
 SETTINGS = ("plain," + ",".join(f"fixed:{k}@draft" for k in range(9)) + ",fixed:4@pld,fixed:8@pld,fixed:4@hier,"
             "auto@draft,auto@hier")
 # held out: not the demo's problems
 PROBLEMS = ["HumanEval/15", "HumanEval/31", "HumanEval/52", "HumanEval/60", "HumanEval/101", "HumanEval/124"]
-WIDTHS = (1, 2, 3, 5, 9)
+WIDTHS = (1, 2, 3, 5, 6, 9)
 
 
 def step_phases(stats) -> dict:
