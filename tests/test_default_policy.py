@@ -107,3 +107,26 @@ def test_a_dear_first_draft_does_not_hide_long_drafts_that_pay():
         policy.observe(StepRecord.of_step(ctx, k, k, [k], [k], draft_s=0.15 * k, verify_s=seconds - 0.15 * k))
         ks.append(k)
     assert ks[-20:] == [8] * 20, ks
+
+
+# the real pair with packed bf16 weights and an int8 draft on an AVX-512 BF16 CPU, in plain steps
+# (docs/results/step_budget/avx512-bf16.md): verifying 6 tokens costs no more than one, a draft
+# forward a fifth of a plain step
+FLAT = RelativeCosts(target_base=1.0, draft_base=0.2)
+STEEP = RelativeCosts(target_base=1.0, target_per_width=0.6, draft_base=0.2)   # unpacked float32 on AVX2
+
+
+@pytest.mark.parametrize("costs,longest", [(FLAT, 4), (STEEP, 2)])
+def test_the_cost_line_of_the_kernel_sets_how_long_the_default_drafts(costs, longest):
+    """The same pair and acceptance, two kernels: where verification is flat in width the default
+    settles on long drafts (k 4 or 6: they tie there) from its first call, near the best fixed k; where every
+    verified token costs 0.6 of a plain step it settles on short ones."""
+    policy = MeasuredGoodput()
+    sims = [Simulator(costs, policy, 0.85, max_batch=1, seed=s, noise=0.1) for s in range(4)]
+    runs = [sim.call(128, [128]) for sim in sims]
+    first = sum(r.tokens for run in runs for r in run.requests) / sum(run.requests[0].finish for run in runs)
+    fixed = max(sum(speed(hf_specdec.FixedLength(k), costs, 0.85, 1, s)[0] for s in range(4))
+                for k in (0, 1, 2, 4, 6, 8)) / 4
+    steady = [s.k for s in runs[-1].steps[-40:]]
+    assert first >= 0.9 * fixed, (first / fixed, steady)
+    assert (min(steady) >= longest) if costs is FLAT else (max(steady) <= longest), steady
