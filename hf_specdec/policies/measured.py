@@ -23,10 +23,10 @@ Exploration, cheap and bounded:
     up: where the prior predicts that this saves twice the catch-up over the tokens left (a
     guess pays twice over), else it waits for a probe;
   - while no length pays, or not enough to catch the draft up, a probe (the best drafting arm,
-    for two steps) runs once the plain steps since the last drafting one took 8 times what the
-    probe is predicted to lose (its catch-up, and its steps' time beyond what plain steps would
-    take for their tokens), then 16 times, 32 and 64 at most: probes take a small share of the
-    time, and plain is no dead end (DSD's deadlock at k = 0);
+    for two steps) runs once the plain steps since the last drafting one took what the probe is
+    predicted to lose (its catch-up, and its steps' time beyond what plain steps would take for
+    their tokens), then 2, 4, ... times that, 64 at most (8 after a time when drafting paid):
+    probes take a small share of the time, and plain is no dead end (DSD's deadlock at k = 0);
   - steps that catch a draft up (a call's first drafts, or after plain steps: lag > 3) are not an
     arm's cost: their drafting time's excess over a steady step's, per lagged token and in plain
     steps of their bucket, is the switching cost (a bucket without one borrows the nearest
@@ -46,8 +46,11 @@ from ..tiers import SPEC_TIERS
 from .base import LengthPolicy, StepContext, non_negative_int, pow2_bucket, probability
 
 STEADY_LAG = 3     # a drafter's lag between drafting steps is 1 or 2; after one plain step up to 3
-PATIENCE = 8       # plain time before the first probe, in what the probe is predicted to lose
-MAX_PATIENCE = 64  # ... doubling after each probe up to this: a change of content is still noticed
+FIRST_PATIENCE = 1  # plain time before a bucket's first probe, in what the probe is predicted to lose:
+                    # that prediction is the priors' (nothing measured yet), and the first probe is the
+                    # one that tells most (measured on the real pair: with 8, 32-token calls never drafted)
+PATIENCE = 8        # ... and before the next probe after drafting paid (the costs are measured then)
+MAX_PATIENCE = 64   # ... doubling after each probe up to this: a change of content is still noticed
 
 
 class _BucketCosts:
@@ -57,7 +60,7 @@ class _BucketCosts:
         self.window = window
         self.seconds: dict[int, deque] = {}
         self.plain_seconds = 0.0  # of the plain steps since the last drafting one
-        self.patience = PATIENCE  # plain time before a probe, in probe costs (doubles after each)
+        self.patience = FIRST_PATIENCE  # plain time before a probe, in probe costs (doubles after each)
         self.probe_left = 0       # steps of the current probe still to run
         self.draft_seconds: deque = deque(maxlen=window)    # drafting seconds per draft, in steady steps
         self.catch_up = None      # (k, drafting seconds, lag) of a catch-up step not yet weighed
