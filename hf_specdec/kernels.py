@@ -88,8 +88,10 @@ def rule_target(cpuinfo: str | None = None) -> str:
 
 
 def load_arguments(kernel: str) -> dict:
-    """`embedded.load_model` arguments of `kernel`."""
+    """`embedded.load_model` arguments of `kernel` (a KERNELS name, else a ValueError)."""
     import torch
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     return {k: getattr(torch, v) if k == "dtype" else v for k, v in KERNELS[kernel].items()}
 
 

@@ -160,3 +160,11 @@ def test_the_timed_architectures_are_the_real_pair_at_real_size():
             model = AutoModelForCausalLM.from_config(Qwen2Config(**MODELS[name].config))
         counts.append(sum(p.numel() for p in model.parameters()) / 1e9)
     assert counts == [pytest.approx(1.54, abs=0.01), pytest.approx(0.49, abs=0.01)]
+
+
+def test_an_unknown_kernel_is_an_error_not_another_kernel():
+    from transformers import Qwen2Config
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kernels.ForwardTimer({"draft": config})("draft", "int4", 1, 1)
