@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
 import types
 import weakref
@@ -103,6 +104,7 @@ class CompiledForwards:
         self.functions: dict[bool, object] = {}     # regional? -> compiled function (made at first use)
         self.codes: list[types.CodeType] = []       # their code objects (dynamo keeps graphs per code)
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
+        self.lock = threading.Lock()            # the model's: shared by its CompiledForwards (compiled_forwards)
 
     def rows(self, n: int, first: int) -> int:
         """The rows a forward of `n` real rows runs (the rest: dummy rows), in a call that began with
@@ -153,7 +155,10 @@ class CompiledForwards:
             fresh = types.FunctionType(_forward.__code__.replace(co_name=name), _forward.__globals__, name)
             self.functions[regional] = torch.compile(fresh, **self.options)
             self.codes.append(fresh.__code__)
-        with compile_log(model) as compiled, regions.layer_regions(model) if regional else contextlib.nullcontext():
+        # one compiled forward of a model at a time: a wide one installs the layers' regions on the
+        # shared model, which a one-token trace in another thread would see and guard on
+        with self.lock, compile_log(model) as compiled, \
+                regions.layer_regions(model) if regional else contextlib.nullcontext():
             logits = self.functions[regional](model, input_ids, attention_mask, position_ids, cache_position,
                                               cache_kwargs, keep)
         if calls <= WARMUP_CALLS or compiled["graphs"]:      # (a guard that failed compiles a seen shape anew)
@@ -175,11 +180,14 @@ def compile_log(model: torch.nn.Module):
 
 _names = itertools.count()     # compiled functions made so far (their code names)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {key: CompiledForwards}
+_COMPILED_LOCK = threading.Lock()
 
 
 def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForwards:
     """The model's compiled forward for this config on its device, kept across generate() calls
-    (compiling is slow)."""
-    per_key = _COMPILED.setdefault(model, {})
+    (compiling is slow); all of a model's share one lock (`CompiledForwards.lock`)."""
     forwards = CompiledForwards(compile_config, _compat.execution_device(model))
-    return per_key.setdefault(forwards.key, forwards)
+    with _COMPILED_LOCK:
+        per_key = _COMPILED.setdefault(model, {})
+        forwards.lock = next(iter(per_key.values())).lock if per_key else forwards.lock
+        return per_key.setdefault(forwards.key, forwards)
