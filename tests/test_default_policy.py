@@ -130,3 +130,16 @@ def test_the_cost_line_of_the_kernel_sets_how_long_the_default_drafts(costs, lon
     steady = [s.k for s in runs[-1].steps[-40:]]
     assert first >= 0.9 * fixed, (first / fixed, steady)
     assert (min(steady) >= longest) if costs is FLAT else (max(steady) <= longest), steady
+
+
+def test_a_short_first_call_with_a_cheap_draft_drafts():
+    """The real pair's 32-token calls (docs/benchmarks.md, step_budget): a 170-token prompt whose
+    prefill costs 7.6 plain steps, a draft a fifth of a step, verification flat. Before any draft
+    is measured the priors' guess does not pay twice its catch-up within 32 tokens; the first probe
+    comes after plain time equal to its predicted loss, not 8 times it (then the call stayed plain)."""
+    costs = RelativeCosts(target_base=1.0, draft_base=0.2, prefill_per_token=7.6 / 170)
+    drafting = []
+    for seed in range(3):
+        run = Simulator(costs, MeasuredGoodput(), 0.9, max_batch=1, seed=seed, noise=0.1).call(170, [32])
+        drafting.append(sum(s.k > 0 for s in run.steps) / len(run.steps))
+    assert min(drafting) >= 0.3, drafting
