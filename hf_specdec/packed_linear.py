@@ -4,9 +4,9 @@ A forward of a few rows per sequence (a verification of k drafts feeds k + 1) re
 once, as a one-token forward does; on a CPU it should cost about the same. Through `nn.Linear` it
 does not: ATen hands oneDNN (or MKL) a plain row-major weight, which the library reorders into its
 blocked layout again at every call with more than one row, reading and writing the whole weight
-(eval/cpu_matmul.py: the 1.5B's up-projection at 6 rows, bf16 1.07x one row through `nn.Linear`
-but 0.8x with the weight packed; float32 2.0x, and 0.8x packed). `PackedLinear` keeps the weight
-in that layout, reordered once at load.
+(docs/results/cpu_matmul/avx512-bf16.md: the 1.5B's up-projection, 6 rows against one, bf16
+1.03x through `nn.Linear` and 0.80x packed; float32 2.06x (MKL), 1.31x (oneDNN, unpacked) and 0.86x
+packed). `PackedLinear` keeps the weight in that layout, reordered once at load.
 """
 from __future__ import annotations
 
