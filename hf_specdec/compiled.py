@@ -189,5 +189,6 @@ def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForward
     forwards = CompiledForwards(compile_config, _compat.execution_device(model))
     with _COMPILED_LOCK:
         per_key = _COMPILED.setdefault(model, {})
-        forwards.lock = next(iter(per_key.values())).lock if per_key else forwards.lock
+        if per_key:                     # the model's lock: its first compiled forwards'
+            forwards.lock = next(iter(per_key.values())).lock
         return per_key.setdefault(forwards.key, forwards)
