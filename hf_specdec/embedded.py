@@ -26,7 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kernels import (CpuKernels, ForwardTimer, cached_choice, load_arguments, rule_target,
+from .kernels import (CpuKernels, ForwardTimer, cached_choice, load_arguments, rule_target, swap_linears,
                       use_int8_linears, use_onednn_linears)
 
 logger = logging.getLogger(__name__)
@@ -182,13 +182,7 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         tokenizer = _tokenizer(str(path.parent), gguf_file=path.name)
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if onednn:
-        use_onednn_linears(model)
-    if int8:
-        use_int8_linears(model, int8)
-    if packed:
-        from .packed_linear import use_packed_linears
-        use_packed_linears(model)
+    swap_linears(model, onednn, int8, packed)
     return model, tokenizer
 
 

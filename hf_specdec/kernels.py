@@ -249,15 +249,21 @@ class ForwardTimer:
                 tensor.data.fill_(0.01)            # dense kernels take as long whatever the values
         arguments = load_arguments(kernel)
         model.to(arguments.get("dtype", torch.float32))
-        if arguments.get("onednn"):
-            use_onednn_linears(model)
-        elif arguments.get("int8"):
-            use_int8_linears(model, arguments["int8"])
-        elif arguments.get("packed"):
-            from .packed_linear import use_packed_linears
-            use_packed_linears(model)
+        swap_linears(model, arguments.get("onednn", False), arguments.get("int8"), arguments.get("packed", False))
         self._built = ((role, kernel), model)
         return model
+
+
+def swap_linears(model, onednn: bool = False, int8: str | None = None, packed: bool = False) -> None:
+    """`model`'s linear layers as a kernel (`load_arguments`) runs them, in place: on oneDNN
+    (`use_onednn_linears`), int8 (`use_int8_linears`) or packed (`use_packed_linears`); else unchanged."""
+    if onednn:
+        use_onednn_linears(model)
+    if int8:
+        use_int8_linears(model, int8)
+    if packed:
+        from .packed_linear import use_packed_linears
+        use_packed_linears(model)
 
 
 def use_int8_linears(model, kind: str) -> None:
