@@ -19,11 +19,13 @@ import sys
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 SUPPORTED_TRANSFORMERS = ">=5.23,<6"
@@ -768,6 +770,37 @@ def cb_logit_rows(ios) -> tuple[torch.Tensor, torch.Tensor]:
     [processors, max_batch_tokens]) at their full width: room for a logit row per query token."""
     bulk = ios._bulk_input_tensor
     return bulk[3], bulk[ios.static_inputs:]
+
+
+def cb_request_arguments(processors, states: list) -> torch.Tensor | None:
+    """The per-request processors' arguments [processors, n] (int32 storage) of requests `states`,
+    as Transformers prepares them for a step; None without per-request processors."""
+    if not processors.tensors_required:
+        return None
+    storage = torch.zeros(processors.tensors_required, len(states), dtype=torch.int32)
+    futures = [SimpleNamespace(state=state, has_new_token=True) for state in states]   # what it reads
+    return processors.prepare_tensor_args(futures, storage)
+
+
+def cb_process(processors, scores: torch.Tensor, arguments: torch.Tensor) -> torch.Tensor:
+    """scores [m, vocab] through the per-request processors only, row i with arguments[:, i]."""
+    per_request = [p for p in processors.logits_processor if isinstance(p, ContinuousBatchingLogitsProcessor)]
+    for processor, argument in zip(per_request, arguments):
+        scores = processor(scores, argument)
+    return scores
+
+
+@contextlib.contextmanager
+def cb_sampling_replaced(runner, sample):
+    """Within it, `runner` (a `ModelRunner`) picks a forward's tokens with `sample(scores [1, m, vocab],
+    output_ids)` in place of its `_sample`: its `_forward_process_and_sample` runs the forward, the
+    logits processors and the sampling in one method, with no seam between the processed scores
+    and the pick, which a speculating step replaces with `verify`."""
+    runner._sample = sample
+    try:
+        yield
+    finally:
+        del runner._sample
 
 
 def cb_forks_pending(scheduler) -> bool:

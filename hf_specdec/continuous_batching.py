@@ -8,21 +8,20 @@ once over the paged cache, and Transformers' processors and sampler pick a token
 last position. `SpecBatchProcessor` adds the step protocol around it:
   plan     the policy's k from the decoding requests (`SpecPolicy.choose`), cut per request to its
            room and to the batch's spare logit rows (`_propose`);
-  draft    the drafter proposes from the request's tokens (a confidence-weighing policy, AdaSpec,
-           may stop a request's drafting early and trim its drafts); the pending token + drafts become the
-           request's query, scheduled as Transformers schedules any query (a token budget cuts the
-           drafts, as it cuts a prefill chunk);
+  draft    the drafter proposes from the request's tokens through the contract `generate()`'s loop
+           uses (`request_rows.py`), a draft model sampling with the request's own temperature /
+           top-k / top-p (a confidence-weighing policy, AdaSpec, may stop a request's drafting early
+           and trim its drafts); the pending token + drafts become the request's query, scheduled
+           as Transformers schedules any query (a token budget cuts the drafts, as it cuts a prefill
+           chunk);
   verify   the same packed forward, with logits at each of a speculating request's positions
-           (`logits_indices` widened; the processors' per-request arguments repeated per row);
-  commit   a draft is accepted while it equals the token Transformers' own sampler picked at its
-           position; the request appends the accepted drafts + 1 token through Transformers'
+           (`logits_indices` widened; the processors' per-request arguments repeated per row), and
+           the shared `verify` (rejection sampling, argmax equality when greedy) in place of
+           Transformers' pick, over the processed scores (`_accept`);
+  commit   the request appends the accepted drafts + 1 token through Transformers'
            `update_and_check_completion` (EOS and max_new_tokens as in a plain step) and steps its
            position back over the rejected drafts, whose cache slots the next forward overwrites;
   observe  the policy gets the step's record (`_observe`).
-Drafts are point masses, so accepting a draft d when the target's own sample equals it is exact
-rejection sampling: accepted with probability p(d), and a rejected position's sample is p without
-d, renormalised (the residual). Greedy, it is argmax equality. Either way the output is the
-target's.
 
 The paged cache's bookkeeping stays right: blocks are allocated by position, so a request that
 stepped back reuses its slots; blocks are hashed for prefix sharing only once they hold accepted
@@ -31,7 +30,7 @@ Transformers' own step, untouched.
 
 Not with speculation (a clear error before any work): asynchronous batching (it carries one token
 ahead), CUDA graphs and compiled paths (padded shapes), sliding-window layers (their ring cache
-would overwrite tokens still in the window with rejected drafts). Drafters: `continuous_drafters.py`.
+would overwrite tokens still in the window with rejected drafts). Drafters: `request_rows.py`.
 Tested on Transformers 5.24 and 5.23 (their continuous batching differs only in details).
 """
 from __future__ import annotations
@@ -50,11 +49,13 @@ from transformers.generation.continuous_batching.continuous_api import (Continuo
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
 
 from . import _compat, assisted, timing
-from .continuous_drafters import LookupDrafts, ModelDrafts
+from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .generate import check_spec_args, ensure_profile
 from .policies import SpecPolicy, StepContext
+from .request_rows import Draft, RequestRows, RequestSampler
 from .stats import StepRecord
 from .tiers import SPEC_TIERS
+from .verify import verify
 
 logger = logging.getLogger(__name__)
 __all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "SpecCounts", "init_continuous_batching",
@@ -65,14 +66,23 @@ __all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "SpecCoun
 class Speculation:
     """What a continuous batching manager speculates with: the policy that decides each step's
     draft length (`SpecPolicy.choose`) and learns from its record (`observe`), and a draft model or
-    a lookup (an object with `continuation(tokens [length], k) -> [<= k]`, as `PromptLookupDrafter`)."""
+    a lookup (a `LookupDrafter`, as `PromptLookupDrafter`: it holds no state, so processors share it)."""
     policy: SpecPolicy
-    lookup: object = None
+    lookup: LookupDrafter | None = None
     draft_model: torch.nn.Module | None = None
 
-    def drafts(self) -> LookupDrafts | ModelDrafts:
-        """A drafter for one batch processor (a draft model's holds its cache)."""
-        return ModelDrafts(self.draft_model) if self.draft_model is not None else LookupDrafts(self.lookup)
+    def __post_init__(self):
+        if (self.lookup is None) == (self.draft_model is None):
+            raise ValueError("Speculation takes a lookup= (a LookupDrafter) or a draft_model=, one of them")
+        if self.lookup is not None and not isinstance(self.lookup, LookupDrafter):
+            raise TypeError(f"Speculation(lookup=) takes a LookupDrafter, got {type(self.lookup).__name__}")
+
+    def new_drafter(self) -> Drafter:
+        """The drafter of one batch processor (a draft model's holds its cache)."""
+        return ModelDrafter(self.draft_model) if self.draft_model is not None else self.lookup
+
+    def device(self, model) -> torch.device:
+        return _compat.execution_device(self.draft_model if self.draft_model is not None else model)
 
     @property
     def max_len(self) -> int:
@@ -153,16 +163,22 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
 
     speculation: Speculation
 
-    def attach(self, speculation: Speculation) -> None:
-        self.speculation, self.drafter = speculation, speculation.drafts()
-        self._drafts: dict[str, list[int]] = {}       # request id -> this step's drafts
+    def attach(self, speculation: Speculation, model) -> None:
+        self.speculation, self._model = speculation, model
+        self.drafter = self._new_rows()
+        self._drafts: dict[str, Draft] = {}            # request id -> this step's drafts
+        self._kept: dict[str, int] = {}                # request id -> drafts it accepted (`_accept`)
         self._rows: list[LogitRows] | None = None     # None: a plain step (Transformers' own)
         self._num_logits = 0
         self._plan, self._draft_s, self._verify_s = None, 0.0, 0.0    # this step's (ctx, k's, requests), times
         self.counts = SpecCounts()
 
+    def _new_rows(self) -> RequestRows:
+        return RequestRows(self.speculation.new_drafter(), RequestSampler(self.logit_processor, self.do_sample),
+                           self.speculation.device(self._model))
+
     def reset(self) -> None:
-        self._drafts, self._rows, self.drafter = {}, None, self.speculation.drafts()
+        self._drafts, self._rows, self.drafter = {}, None, self._new_rows()
         super().reset()
 
     # plan + draft
@@ -203,9 +219,9 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         for state, drafts, n in zip(decoding, proposed, kept):
             state.tokens_to_process = [state.generated_tokens[-1], *drafts.tokens[:n]]
             if n:
-                self._drafts[state.request_id] = drafts.tokens[:n]
+                self._drafts[state.request_id] = drafts.cut(n)
         self._draft_s = timing.now() - start
-        self.scheduler.max_requests_per_batch = limit - sum(map(len, self._drafts.values()))
+        self.scheduler.max_requests_per_batch = limit - sum(len(d.tokens) for d in self._drafts.values())
 
     def _widen_logits(self) -> list[LogitRows] | None:
         """After Transformers prepared the batch: a logit row at each position of a speculating
@@ -247,8 +263,42 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         batch_data = ios.get_model_kwargs(use_padding=False)
         indices, arguments = _compat.cb_logit_rows(ios)
         batch_data["logits_indices"], batch_data["logits_processor_args"] = indices[:n], arguments[:, :n]
-        self.model_runner.compute_batch(model, batch_data)
+        with _compat.cb_sampling_replaced(self.model_runner, self._accept):
+            self.model_runner.compute_batch(model, batch_data)
         ios.retrieve_device_outputs()
+
+    def _accept(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        """The step's pick, in place of Transformers' sampler: `verify` over each request's logit rows
+        (scores [1, m, vocab], processed), its drafts and their distributions. A request's emitted
+        tokens, its accepted drafts then the replacement or bonus token, go to its rows of
+        `output_ids` [2, >= m] (row 1: their log-probabilities, when asked for)."""
+        rows = [row for row in self._rows if row.count]
+        width = max(row.count for row in rows)                        # k + 1
+        index = torch.tensor([[row.first + min(j, row.count - 1) for j in range(width)] for row in rows])
+        target = scores[0, index.to(scores.device)]                   # [r, k + 1, vocab]
+        drafts = [self._drafts.get(row.request.state.request_id, Draft([], [])).cut(row.count - 1) for row in rows]
+        tokens = torch.zeros(len(rows), width - 1, dtype=torch.long)
+        for i, draft in enumerate(drafts):
+            tokens[i, :len(draft.tokens)] = torch.tensor(draft.tokens, dtype=torch.long)
+        counts = torch.tensor([len(d.tokens) for d in drafts])
+        probs = None
+        if self.do_sample and any(d.probs is not None for d in drafts):
+            probs = target.new_zeros(len(rows), width - 1, target.shape[-1])
+            for i, draft in enumerate(drafts):
+                if draft.tokens:
+                    probs[i, :len(draft.tokens)] = draft.probs.to(probs.device)
+        tokens, counts = tokens.to(scores.device), counts.to(scores.device)
+        result = verify(tokens, counts, target, probs, self.do_sample)
+        emitted = torch.cat([tokens, tokens.new_zeros(len(rows), 1)], 1)        # [r, k + 1]
+        emitted[torch.arange(len(rows)), result.num_accepted] = result.next_tokens
+        written = torch.arange(width, device=scores.device)[None, :] <= result.num_accepted[:, None]
+        positions = index.to(scores.device)[written]
+        output_ids[0, positions] = emitted[written].to(output_ids.dtype)
+        if self.return_logprobs:
+            logprobs = torch.log_softmax(target, -1).gather(-1, emitted[..., None]).squeeze(-1)
+            output_ids[1, positions] = logprobs[written].view(torch.int32)
+        self._kept = {row.request.state.request_id: n for row, n, d in zip(rows, result.num_accepted.tolist(), drafts)
+                      if d.tokens}
 
     # commit
     def update_batch(self) -> None:
@@ -260,6 +310,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             return super().update_batch()
         rows, self._rows = self._rows, None
         verified, kept, emitted = {}, {}, {}
+        accepted_by_id, self._kept = self._kept, {}
         ios, n = self.inputs_and_outputs, self._num_logits
         tokens = ios.output_ids[0, :n].tolist()                       # the step's one host read
         logprobs = ios.output_ids[1, :n].view(torch.float32).tolist() if self.return_logprobs else None
@@ -273,10 +324,10 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             if state.generated_len() == 0:                             # its prefill ended
                 state.status = RequestStatus.DECODING
             chosen = tokens[row.first:row.first + row.count]
-            drafts = self._drafts.get(state.request_id, [])[:row.count - 1]
-            accepted = _accepted(drafts, chosen)
-            verified[state.request_id], kept[state.request_id] = len(drafts), accepted
-            complete = self._step_back(row.request, len(drafts) - accepted)
+            drafted = row.count - 1 if state.request_id in self._drafts else 0
+            accepted = accepted_by_id.get(state.request_id, 0)
+            verified[state.request_id], kept[state.request_id] = drafted, accepted
+            complete = self._step_back(row.request, drafted - accepted)
             for j in range(accepted + 1):
                 finished = state.update_and_check_completion(chosen[j], logprobs[row.first + j] if logprobs else None)
                 if finished:
@@ -323,14 +374,6 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         return complete
 
 
-def _accepted(drafts: list[int], chosen: list[int]) -> int:
-    """How many leading drafts equal the target's own choice at their position."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
-        accepted += 1
-    return accepted
-
-
 class SpecBatchingManager(ContinuousBatchingManager):
     """Transformers' continuous batching manager whose batch processor speculates."""
 
@@ -346,7 +389,7 @@ class SpecBatchingManager(ContinuousBatchingManager):
         if not isinstance(processor, SpecBatchProcessor):
             # Transformers builds its own processor class; ours only adds the speculative step
             processor.__class__ = SpecBatchProcessor
-            processor.attach(self.speculation)
+            processor.attach(self.speculation, self.model)
         return processor
 
 

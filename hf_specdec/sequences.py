@@ -55,6 +55,16 @@ class SequenceBatch:
         out.lengths = self.lengths if lengths is None else lengths
         return out
 
+    def append_rows(self, n: int) -> list[int]:
+        """n new rows at the end, each left padding only (length `prompt_len`, nothing real), not
+        active: rows a running batch takes on (continuous batching's requests). Returns their indices."""
+        first, device = self.tokens.shape[0], self.tokens.device
+        self.tokens = torch.cat([self.tokens, self.tokens.new_full((n, self.capacity), self.pad_token_id)])
+        self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(n, self.prompt_len)])
+        self.real_starts = RowInts.of(self.real_starts.host + [self.prompt_len] * n, device)
+        self.lengths = RowInts.of(self.lengths.host + [self.prompt_len] * n, device)
+        return list(range(first, first + n))
+
     def active_lengths(self) -> RowInts:
         """The active rows' lengths [n]."""
         return self.lengths[self.active]

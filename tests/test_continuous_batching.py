@@ -9,9 +9,11 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_specdec
 from hf_specdec.continuous_batching import SpecBatchingManager, Speculation
+from hf_specdec.drafters import LookupDrafter
 from hf_specdec.drafters.ngram import PromptLookupDrafter
 from hf_specdec.policies import resolve_policy
 from hf_specdec.testing import VOCAB, build
+from hf_specdec.verify import VerifyResult, verify
 from tiny_stateful import tiny_stateful
 
 # distinct prompts, some repetitive (prompt lookup finds matches), of different lengths (prefill chunks)
@@ -44,7 +46,7 @@ def plain(model, prompts, generation_config, cb_config):
     return {rid: o.generated_tokens for rid, o in out.items()}
 
 
-class Oracle:
+class Oracle(LookupDrafter):
     """Drafts the plain continuation with one draft made wrong: the j-th, j cycling over 0..k (k:
     none), so every acceptance count occurs, the first draft rejected and all accepted included."""
 
@@ -300,7 +302,7 @@ SAMPLE_VOCAB, SAMPLE_PROMPT, SAMPLES = 6, [3, 5, 4, 3], 6000
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5)     # what continuous batching's processors run
 
 
-class Greedy:
+class Greedy(LookupDrafter):
     """Drafts the target's most likely next tokens (a point mass: any deterministic drafter is)."""
 
     def __init__(self, joint: torch.Tensor):
@@ -323,21 +325,66 @@ def sampled_joint(model, speculation, seed):
     return frequencies / SAMPLES, counts
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypatch, broken):
+def accept_all(drafts, counts, *args):
+    """A sampler without the acceptance test: every draft kept."""
+    return VerifyResult(num_accepted=counts, next_tokens=verify(drafts, counts, *args).next_tokens)
+
+
+def no_residual(drafts, counts, scores, draft_probs, do_sample, *args):
+    """A sampler that replaces a rejected draft with a draw from p, not from the residual max(0, p - q)."""
+    result = verify(drafts, counts, scores, draft_probs, do_sample, *args)
+    p = torch.softmax(scores[torch.arange(len(counts)), result.num_accepted], -1)
+    redrawn = torch.multinomial(p, 1).squeeze(1)
+    return VerifyResult(result.num_accepted, torch.where(result.num_accepted < counts, redrawn, result.next_tokens))
+
+
+@pytest.mark.parametrize("drafter,broken", [("lookup", None), ("lookup", accept_all), ("model", None),
+                                            ("model", accept_all), ("model", no_residual)])
+def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypatch, drafter, broken):
+    """The first three tokens' joint distribution over SAMPLES requests is the target's (TV distance
+    within the null's spread), with a lookup's point masses and with a draft model that samples
+    with the requests' settings; each broken sampler is caught."""
     from test_sampling import exact_distribution
     target = build("llama", layers=2, seed=0, vocab=SAMPLE_VOCAB, hidden=32, init=0.6)
     exact = exact_distribution(target, torch.tensor([SAMPLE_PROMPT]), 3, SAMPLING)
     # the TV distance of SAMPLES draws from `exact` itself, the test's null
     null = [0.5 * (torch.bincount(torch.multinomial(exact.flatten(), SAMPLES, replacement=True),
                                   minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
-    if broken:      # accept every draft: a sampler without the acceptance test
-        monkeypatch.setattr("hf_specdec.continuous_batching._accepted", lambda drafts, chosen: len(drafts))
-    joint, counts = sampled_joint(target, speculation(2, lookup=Greedy(exact)), seed=1)
+    if broken is not None:
+        monkeypatch.setattr("hf_specdec.continuous_batching.verify", broken)
+    source = {"lookup": Greedy(exact)} if drafter == "lookup" else \
+        {"draft_model": build("llama", layers=1, seed=3, vocab=SAMPLE_VOCAB, hidden=32, init=0.6)}
+    joint, counts = sampled_joint(target, speculation(2, **source), seed=1)
     tv = 0.5 * (joint - exact).abs().sum()
     accepted, drafted = counts.accepted, counts.drafted
-    assert drafted > SAMPLES / 2 and (broken or 0.2 * drafted < accepted < drafted)    # accepted and rejected
-    assert (tv > 2 * max(null)) == broken, f"TV {tv:.4f}, null {max(null):.4f}"
+    assert drafted > SAMPLES / 2 and (broken is not None or 0.2 * drafted < accepted < drafted)   # both outcomes
+    assert (tv > 2 * max(null)) == (broken is not None), f"TV {tv:.4f}, null {max(null):.4f}"
+
+
+def test_sampling_accepts_what_generate_accepts(model):
+    """Rejection sampling with a draft that samples as the request does: a copy of the target has
+    every draft accepted (p = q), which a rule of equality with the target's own sample would not
+    (it keeps a draft with probability p(draft)); a noisy copy accepts the share generate() does
+    with the same pair, k and settings."""
+    from hf_specdec.testing import noisy_copy
+    config = generation(max_new_tokens=20, do_sample=True, temperature=1.0)
+    got, counts = run(model, PROMPTS * 4, config, batching(seed=0), speculation(4, draft_model=copy.deepcopy(model)))
+    assert counts.accepted >= 0.98 * counts.drafted > 0
+    draft = noisy_copy(model, 0.1)
+    _, counts = run(model, PROMPTS * 8, config, batching(seed=0), speculation(4, draft_model=draft))
+    shares = [counts.accepted / counts.drafted]
+    hf_specdec.enable(model)
+    try:
+        stats = []
+        for prompt in PROMPTS * 8:
+            out = model.generate(torch.tensor([prompt]), generation_config=config, eos_token_id=None, assistant_model=draft,
+                                 spec_policy="fixed:4", return_dict_in_generate=True)
+            stats.append(out.spec_stats)
+    finally:
+        hf_specdec.disable(model)
+    steps = [step for s in stats for step in s.steps]
+    shares.append(sum(map(sum, (st.accepted for st in steps))) / sum(map(sum, (st.proposed for st in steps))))
+    assert 0.1 < shares[1] < 0.9 and abs(shares[0] - shares[1]) < 0.1, shares
 
 
 def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):

@@ -93,9 +93,9 @@ class Drafter:
         """Only rows `keep` (indices into the previous active rows) continue."""
 
     def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
-        """New requests join (continuous batching's draft model, `ModelDrafts`): `batch.active` are the
-        joining rows only (their prompt and first token written), and they follow the running rows
-        from now on. With `prefill`, feed them now."""
+        """Rows join a running batch (continuous batching's requests, `RequestRows`): `batch.active` are
+        the joining rows only (their prompt and first token written), and they follow the running
+        rows from now on. With `prefill`, feed them now."""
         raise NotImplementedError(f"{type(self).__name__} cannot take rows mid-run")
 
 
@@ -126,6 +126,9 @@ class LookupDrafter(Drafter):
             out[i, k] = len(continuation)
         out = out.to(batch.tokens.device)                                 # one copy back
         return Proposal(out[:, :k], RowInts(out[:, k]), None)
+
+    def add_rows(self, batch: SequenceBatch, prefill: bool) -> None:
+        """Nothing to feed: a lookup reads each row's tokens when it proposes."""
 
     def replay(self, batch: SequenceBatch, start: torch.Tensor) -> Prediction:
         host, (ends, firsts, begins) = self._on_host(batch, batch.real_start(batch.active.tensor), start)
