@@ -154,18 +154,33 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
 
 
 @pytest.mark.parametrize("policy", [None, "nightjar", "dsd", "adaspec"])
-def test_the_policies_by_name_through_generate_batch(model, policy):
-    """"auto" by default with a draft model, Nightjar, DSD and AdaSpec (which weighs the draft
-    model's confidences: stops drafting, trims) by name: plain output."""
+def test_the_policies_by_name_draft_and_give_plain_output(model, policy, forward_clock):
+    """"auto" by default with a draft model, Nightjar, DSD and AdaSpec by name, as generate_batch
+    builds them, with a draft 8x cheaper than the target (the test clock's costs; the profiled
+    policies' latency models say the same): each drafts and gives plain output; AdaSpec, weighing
+    the draft model's confidences, trims drafts."""
+    from hf_specdec.continuous_batching import speculation_from
+    from hf_specdec.costmodel import CostProfile, LatencyModel, SwitchCostTable
     from hf_specdec.testing import noisy_copy
     config, cb = generation(), batching()
     expected = plain(model, PROMPTS, config, cb)
-    hf_specdec.enable(model)
-    try:
-        out = model.generate_batch(PROMPTS, config, cb, assistant_model=noisy_copy(model, 0.01), spec_policy=policy)
-    finally:
-        hf_specdec.disable(model)
-    assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+    draft = noisy_copy(model, 0.5)
+    forward_clock.costs[model], forward_clock.costs[draft] = 8.0, 1.0
+    spec = speculation_from(model, config, assistant_model=draft, spec_policy=policy)
+    if policy in ("dsd", "adaspec"):       # measured tiny models cost the same: forward overhead
+        spec.policy.length.use_profile(CostProfile(LatencyModel(1e-6, 1e-3, 8e-2), LatencyModel(1e-7, 1e-4, 1e-2),
+                                                   SwitchCostTable([1], [1], [[1e-2]])))
+    trims, trim = [], spec.policy.trim
+
+    def counted(lengths, confidences):
+        kept = trim(lengths, confidences)
+        trims.append(sum(lengths) - sum(kept))
+        return kept
+    object.__setattr__(spec.policy, "trim", counted)
+    got, counts = run(model, PROMPTS, config, cb, spec)
+    assert got == expected
+    assert 0 < counts.accepted < counts.drafted
+    assert (sum(trims) > 0) == (policy == "adaspec"), trims
 
 
 def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(model, monkeypatch):
@@ -227,14 +242,27 @@ def test_num_return_sequences_forks_requests_with_their_drafts(model):
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
 
 
-def test_eos_inside_accepted_drafts_and_max_new_tokens(model):
+def test_eos_inside_accepted_drafts_and_max_new_tokens(model, monkeypatch):
+    """An EOS among a step's accepted drafts ends the request there (the tokens accepted after it
+    dropped), and max_new_tokens cuts the drafts: plain output. The oracle drafts the run without
+    EOS, so the drafts run past the EOS position; the test counts the steps that accept one."""
+    from hf_specdec.continuous_batching import SpecBatchProcessor
     free = plain(model, PROMPTS, generation(), batching())
     eos = free["req_2"][5]                       # a token some requests emit mid-way
+    inside, accept = [], SpecBatchProcessor._accept
+
+    def spy(processor, scores, output_ids):
+        accept(processor, scores, output_ids)
+        inside.extend(rid for rid, n in processor._kept.items() if eos in processor._drafts[rid].tokens[:n])
+    monkeypatch.setattr(SpecBatchProcessor, "_accept", spy)
     for config in (generation(eos_token_id=eos), generation(max_new_tokens=7)):
         expected = plain(model, PROMPTS, config, batching())
         got, _ = run(model, PROMPTS, config, batching(), speculation(6, lookup=Oracle(PROMPTS, free)))
         assert got == expected
-    assert any(len(v) < 24 for v in expected.values()) or eos not in sum(expected.values(), [])
+        if config.eos_token_id == eos:
+            stopped = [rid for rid, tokens in expected.items() if len(tokens) < 24]
+            assert stopped and all(expected[rid][-1] == eos for rid in stopped)
+            assert set(inside) & set(stopped), inside        # an EOS accepted as a draft
 
 
 def test_cancelled_request_leaves_the_others_exact_and_frees_its_blocks(model):

@@ -96,7 +96,7 @@ def test_sliding_layers_forget_what_no_window_reaches_and_compact_rows_with_many
         logits = [runner.forward(tokens, real, keep=width) for runner in (trimmed, whole)]
         torch.testing.assert_close(logits[0][real], logits[1][real], rtol=1e-5, atol=1e-5)
         sliding = trimmed.slots.cache.layers[min(trimmed.slots.sliding)]
-        assert sliding.keys.shape[-2] == trimmed.slots.ring if static else trimmed.num_slots - trimmed.slots.front
+        assert sliding.keys.shape[-2] == (trimmed.slots.ring if static else trimmed.num_slots - trimmed.slots.front)
         # each row keeps a random number of its real slots of the step (at least one)
         counts = real.sum(1)
         kept = (torch.rand(3, generator=gen) * counts).long().clamp(min=1)
