@@ -803,6 +803,19 @@ def cb_sampling_replaced(runner, sample):
         del runner._sample
 
 
+def cb_capacity(cache) -> int:
+    """The most tokens one request can hold in a paged cache of full-attention layers (the only
+    kind speculation runs on): every block of the cache."""
+    return cache.max_tokens_read
+
+
+def cb_forget_handler(manager, request_id: str) -> None:
+    """Drop the result handler registered for a request that was then refused (`transformers serve`
+    registers it before `add_request`)."""
+    with manager.output_router._lock:
+        manager.output_router.result_handlers.pop(request_id, None)
+
+
 def cb_forks_pending(scheduler) -> bool:
     """A continuous batching scheduler has requests to fork (num_return_sequences > 1)."""
     return bool(scheduler._requests_to_fork)
@@ -830,6 +843,36 @@ def serve_loads(on_load):
         yield
     finally:
         ModelManager._load_model = original
+
+
+@contextlib.contextmanager
+def serve_refusals(check_chat, refused: type[Exception]):
+    """Within it, `transformers serve` checks each chat completion's body with `check_chat(body)` after
+    its own validation, and answers a `refused` exception (from `check_chat`, or a continuous
+    batching manager's `add_request`) with a 400 and its message, as OpenAI answers an invalid
+    request, instead of its 500."""
+    from fastapi.responses import JSONResponse
+    from transformers.cli.serving import server
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    build, validate = server.build_server, ChatCompletionHandler._validate_request
+
+    async def answer(request, error):
+        return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error"}}, status_code=400)
+
+    def build_server(*args, **kwargs):
+        app = build(*args, **kwargs)
+        app.add_exception_handler(refused, answer)
+        return app
+
+    def validated(self, body: dict) -> None:
+        validate(self, body)
+        check_chat(body)
+
+    server.build_server, ChatCompletionHandler._validate_request = build_server, validated
+    try:
+        yield
+    finally:
+        server.build_server, ChatCompletionHandler._validate_request = build, validate
 
 
 def transformers_cli(args: list[str]) -> None:

@@ -40,6 +40,7 @@ import contextvars
 import copy
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ from .tiers import SPEC_TIERS
 from .verify import verify
 
 logger = logging.getLogger(__name__)
-__all__ = ["Speculation", "SpecBatchingManager", "SpecBatchProcessor", "SpecCounts", "init_continuous_batching",
+__all__ = ["RequestRefused", "Speculation", "SpecBatchingManager", "SpecBatchProcessor", "SpecCounts", "init_continuous_batching",
            "speculating"]
 
 
@@ -374,13 +375,21 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         return complete
 
 
+class RequestRefused(ValueError):
+    """A request refused before it reaches the generation loop, which goes on serving the others
+    (`python -m hf_specdec serve` answers it with a 400)."""
+
+
 class SpecBatchingManager(ContinuousBatchingManager):
     """Transformers' continuous batching manager whose batch processor speculates."""
+
+    PROCESSOR_WAIT_S = 60     # how long `add_request` waits for the loop to build the cache it checks against
 
     def __init__(self, model, generation_config, continuous_batching_config: ContinuousBatchingConfig,
                  workload_hints=None, *, speculation: Speculation):
         check_model(model)
         self.speculation = speculation
+        self._processor_made = threading.Event()
         config = _for_speculation(continuous_batching_config, workload_hints, speculation)
         super().__init__(model, generation_config, config, workload_hints)
 
@@ -390,7 +399,21 @@ class SpecBatchingManager(ContinuousBatchingManager):
             # Transformers builds its own processor class; ours only adds the speculative step
             processor.__class__ = SpecBatchProcessor
             processor.attach(self.speculation, self.model)
+        self._processor_made.set()
         return processor
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, *args, **kwargs) -> str | None:
+        """Transformers' `add_request`, after refusing a prompt the paged cache cannot hold (`RequestRefused`):
+        Transformers' loop would fail on it, and with it every request in flight and every later one."""
+        if self.is_running() and self._processor_made.wait(self.PROCESSOR_WAIT_S):
+            capacity = _compat.cb_capacity(self.batch_processor.cache)
+            if len(input_ids) + 1 > capacity:
+                if request_id is not None:
+                    _compat.cb_forget_handler(self, request_id)
+                raise RequestRefused(f"the prompt has {len(input_ids)} tokens; the paged cache holds {capacity} "
+                                     "tokens per request (prompt and new tokens): shorten it, or give the cache more "
+                                     "blocks (num_blocks, --cb-num-blocks)")
+        return super().add_request(input_ids, request_id, *args, **kwargs)
 
 
 def check_model(model) -> None:

@@ -5,7 +5,9 @@ The server is Transformers': its endpoints, request handling, errors and flags (
 not ours goes to `transformers serve` as it is). Ours: once the server has loaded MODEL, it loads
 DRAFT the same way (device, dtype, quantization), `enable`s MODEL, and each continuous batching
 manager the server makes for MODEL speculates with DRAFT (or prompt lookup), the policy deciding
-each step's draft length from the batch (`continuous_batching.py`).
+each step's draft length from the batch (`continuous_batching.py`). A request that would fail
+Transformers' generation loop, and with it the server (a prompt longer than the paged cache, a chat
+completion without messages), is answered with a 400 before it gets there.
 """
 from __future__ import annotations
 
@@ -40,8 +42,16 @@ def run(args: argparse.Namespace, transformers_args: list[str]) -> None:
         transformers_args = ["--continuous-batching", *transformers_args]
     hook = functools.partial(speculate, draft=args.draft, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                              max_matching_ngram_size=args.max_matching_ngram_size, spec_policy=args.spec_policy)
-    with _compat.serve_loads(hook):
+    with _compat.serve_loads(hook), _compat.serve_refusals(check_chat, continuous_batching.RequestRefused):
         _compat.transformers_cli(["serve", args.model, *transformers_args])
+
+
+def check_chat(body: dict) -> None:
+    """A chat completion needs messages (Transformers' server fails on a body without, with a 500)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise continuous_batching.RequestRefused("messages must be a non-empty list of messages, got "
+                                                 f"{messages!r}"[:200])
 
 
 def speculate(model, load, *, draft: str | None = None, prompt_lookup_num_tokens: int | None = None,

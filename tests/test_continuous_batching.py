@@ -36,8 +36,9 @@ def generation(max_new_tokens=24, eos_token_id=-1, **kwargs):
                                "pad_token_id": 0, **kwargs})
 
 
-def batching(page_size=4, max_batch_tokens=64, **kwargs):
-    return ContinuousBatchingConfig(page_size=page_size, num_blocks=128, max_batch_tokens=max_batch_tokens, **kwargs)
+def batching(page_size=4, max_batch_tokens=64, num_blocks=128, **kwargs):
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                    **kwargs)
 
 
 def plain(model, prompts, generation_config, cb_config):
@@ -298,6 +299,23 @@ def test_prefix_sharing_over_a_second_round_built_from_the_first(model):
     assert rounds[1] == [expected[f"req_{i}"] for i in range(len(PROMPTS))]
     assert shared > 0
     assert_no_block_leaked(cache)
+
+
+def test_a_prompt_longer_than_the_cache_is_refused_and_the_loop_goes_on(model):
+    """Transformers' loop fails on a prompt its paged cache cannot hold, and with it every request in
+    flight and after; ours refuses it in add_request and serves the others."""
+    from hf_specdec.continuous_batching import RequestRefused
+    config, cb = generation(max_new_tokens=8), batching(num_blocks=16)       # 16 blocks of 4 tokens
+    manager = SpecBatchingManager(model, config, cb, speculation=speculation(3, lookup=PromptLookupDrafter()))
+    manager.start()
+    try:
+        with pytest.raises(RequestRefused, match="the prompt has 64 tokens; the paged cache holds 64"):
+            manager.add_request(list(range(1, 65)), max_new_tokens=8)
+        request = manager.add_request(PROMPTS[0], max_new_tokens=8)
+        result = manager.get_result(request, timeout=60)
+    finally:
+        manager.stop(block=True, timeout=60)
+    assert result.error is None and result.generated_tokens == plain(model, PROMPTS[:1], config, cb)["req_0"]
 
 
 def test_what_speculation_cannot_run_is_refused_before_any_work(model):

@@ -121,3 +121,17 @@ def test_a_bad_request_gets_the_server_s_error_and_the_server_goes_on(servers):
         errors.append((error.value.status_code, error.value.body))
     assert errors[0] == errors[1] and errors[0][0] == 422
     assert chat(ours, model, QUESTIONS[1]) == chat(theirs, model, QUESTIONS[1])
+
+
+def test_an_over_long_prompt_or_no_messages_gets_a_400_and_the_server_goes_on(servers):
+    """What would fail Transformers' generation loop, and every request after it (its worker dies: 500,
+    then 503 and an unhealthy /health), is refused with a 400 before it gets there."""
+    ours, theirs, model = servers
+    too_long = [{"role": "user", "content": "word " * 20000}]      # the cache: 64 blocks of 256 tokens
+    for messages, stream in ((too_long, False), (too_long, True), ([], False), (None, False)):
+        with pytest.raises(openai.BadRequestError) as error:
+            ours.client.chat.completions.create(model=model, messages=messages, max_tokens=4, stream=stream)
+        assert ("paged cache holds" if messages else "messages must be a non-empty list") in str(error.value)
+    assert chat(ours, model, QUESTIONS[1]) == chat(theirs, model, QUESTIONS[1])
+    with urllib.request.urlopen(f"http://localhost:{ours.port}/health") as health:
+        assert health.status == 200
