@@ -12,15 +12,20 @@ the manager API that `generate_batch` and `transformers serve` use. Methods, int
   lookup:k    ours after enable(): init_continuous_batching(prompt_lookup_num_tokens=k)
   draft       ours with the env's draft model (qwen-coder): init_continuous_batching(assistant_model=draft),
               the default policy ("auto")
+  draft:equality  (with --temperature) the same, under the rule continuous batching ran before the
+              shared `verify`: the draft model's argmax, kept when it equals the target's sample
+              (`equality_rule`)
   generate    (--generate) our own generate() path, the same draft and policy, in static batches of
               `concurrency` prompts (left-padded; a batch ends with its longest request)
 Per method and concurrency: tokens/s (median of rounds) and its ratio to plain per round, time to
 first token and time per output token (p50 / p99 over requests, from Transformers' per-token
-timestamps), forwards per generated token, drafts accepted, and requests identical to plain's.
+timestamps), forwards per generated token, drafts accepted (and per request per drafting step),
+and requests identical to plain's (greedy; with --temperature T the requests sample at T).
 Writes <out>.json, .md and .png after each concurrency, stamped.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import sys
@@ -32,6 +37,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hf_specdec
+from hf_specdec.request_rows import RequestSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 from envs import ENVS, humaneval_texts  # noqa: E402
@@ -53,12 +59,17 @@ def serve(model, method: Method, prompts: list[list[int]], config: GenerationCon
         return generate_batches(model, prompts, config, draft, concurrency)
     if method.name == "plain":
         manager = type(model).init_continuous_batching(model, config, cb_config)
-    elif method.name == "draft":
+    elif method.name.startswith("draft"):
         manager = model.init_continuous_batching(config, cb_config, assistant_model=draft)
     else:
         manager = model.init_continuous_batching(config, cb_config, prompt_lookup_num_tokens=method.k)
     pending, results, in_flight = list(enumerate(prompts)), {}, 0
-    manager.start()
+    if method.name == "draft:equality":
+        with equality_rule():
+            manager.start()
+            manager._processor_made.wait(60)      # the processor and its draft sampler: made in the loop's thread
+    else:
+        manager.start()
     start = time.perf_counter()
     try:
         while len(results) < len(prompts):
@@ -98,6 +109,19 @@ class Served:
         stamps = output.timestamps
         return cls(tokens=list(output.generated_tokens), ttft_s=stamps[0] - output.created_time,
                    tpot_s=(stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None)
+
+
+@contextlib.contextmanager
+def equality_rule():
+    """Within it, a speculating manager's draft model proposes its argmax, judged as a point mass:
+    accepted with probability p(draft), exactly the old rule of keeping a draft when it equals the
+    target's own sample."""
+    made = RequestSampler.__init__
+    RequestSampler.__init__ = lambda sampler, processors, do_sample: made(sampler, processors, False)
+    try:
+        yield
+    finally:
+        RequestSampler.__init__ = made
 
 
 def generate_batches(model, prompts: list[list[int]], config: GenerationConfig, draft, batch: int) -> dict:
@@ -151,20 +175,24 @@ def summary(run: dict, reference: dict) -> dict:
            "requests": len(results)}
     if run["counts"] is not None:
         counts = run["counts"]
-        row.update(forwards_per_token=counts.steps / row["tokens"], drafted=counts.drafted, accepted=counts.accepted)
+        row.update(forwards_per_token=counts.steps / row["tokens"], drafted=counts.drafted, accepted=counts.accepted,
+                   accepted_per_request_step=counts.accepted / max(1, counts.drafting_requests))
     return row
 
 
 def markdown(payload: dict) -> str:
     args = payload["args"]
-    lines = [f"{args['env']}: {args['requests']} HumanEval prompts, {args['max_new_tokens']} new tokens each (greedy, "
+    sampling = "greedy" if args.get("temperature") is None else f"sampling at temperature {args['temperature']}"
+    lines = [f"{args['env']}: {args['requests']} HumanEval prompts, {args['max_new_tokens']} new tokens each ({sampling}, "
              "EOS ends a request), a closed loop of `concurrency` requests in flight through Transformers' continuous "
              "batching manager; plain: Transformers' own manager; lookup:k: ours, prompt lookup; draft: ours, the draft "
              "model, policy auto. x plain: median "
              f"[min, max] of per-round ratios over {args['rounds']} rounds after a warm-up. TTFT / TPOT: p50 / p99 "
              "over requests (seconds). Both managers: ContinuousBatchingConfig(max_batch_tokens="
              f"{args['max_batch_tokens']}, num_blocks={args['num_blocks']}) (Transformers' CPU defaults size a 10 GB "
-             "cache and masks to match). fwd/token: forwards per generated token. identical: requests equal to plain's.",
+             "cache and masks to match). fwd/token: forwards per generated token. accepted / drafted (per request per "
+             "drafting step). draft:equality: the draft's argmax kept when it equals the target's sample (the rule "
+             "before the shared verify). identical: requests equal to plain's.",
              ""]
     for cell in payload["cells"]:
         lines += [f"**concurrency {cell['concurrency']}**", "", *method_table(cell["methods"])]
@@ -175,12 +203,13 @@ def method_table(methods: dict, tpot_x_plain: bool = False) -> list[str]:
     """One cell's markdown table: per method tokens/s, x plain, TTFT and TPOT, (TPOT p50 as x
     plain's), forwards per token, drafts accepted, requests identical to plain's."""
     lines = ["| method | tokens/s | x plain | TTFT p50 / p99 | TPOT p50 / p99 |" + (" TPOT p50 x plain |" if tpot_x_plain else "")
-             + " fwd/token | accepted / drafted | identical |",
+             + " fwd/token | accepted / drafted (per step) | identical |",
              "|---|---:|---|---|---|" + ("---:|" if tpot_x_plain else "") + "---:|---:|---:|"]
     plain_tpot = methods["plain"]["tpot_s"]
     for name, row in methods.items():
         x = row["x_plain"]
-        spec = f"{row['accepted']} / {row['drafted']}" if "drafted" in row else "-"
+        spec = f"{row['accepted']} / {row['drafted']} ({row.get('accepted_per_request_step', 0):.2f})" \
+            if "drafted" in row else "-"
         fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
         tpot_x = f" {plain_tpot['p50'] / row['tpot_s']['p50']:.2f} |" if tpot_x_plain else ""
         lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
@@ -214,8 +243,11 @@ def workload(args):
     style = "raw" if args.env == "smollm2" else "chat"
     prompts = [tokenizer(text, add_special_tokens=style == "raw").input_ids
                for text in humaneval_texts(tokenizer, style, limit=args.requests)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
-                              eos_token_id=model.generation_config.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    temperature = getattr(args, "temperature", None)
+    sampling = {"do_sample": False} if temperature is None else \
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_id=model.generation_config.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, **sampling)
     hf_specdec.enable(model)
     return env, prompts, config
 
@@ -230,6 +262,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-draft", action="store_true", help="leave out the env's draft model")
     parser.add_argument("--generate", action="store_true",
                         help="also our generate() with the draft in batches of `concurrency` requests")
+    parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--num-blocks", type=int, default=64, help="cache blocks of 256 tokens")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds, after a warm-up round")
@@ -239,6 +272,7 @@ def main(argv=None) -> None:
     model = env.model
     methods = [Method("plain")] + [Method(f"lookup:{k}", k=k) for k in args.lookup] + \
         ([Method("draft")] if env.draft is not None and not args.no_draft else []) + \
+        ([Method("draft:equality")] if env.draft is not None and not args.no_draft and args.temperature else []) + \
         ([Method("generate")] if env.draft is not None and args.generate else [])
     results = Results(Path(args.out), vars(args), markdown, plot)
     for concurrency in args.concurrency:

@@ -135,12 +135,15 @@ class SpecCounts:
     steps: int = 0              # forwards
     drafting_steps: int = 0     # forwards that verified drafts
     shared_steps: int = 0       # ... of them, with another request in the same forward
+    drafting_requests: int = 0  # requests that verified drafts, summed over forwards
     drafted: int = 0            # drafts verified
     accepted: int = 0
 
-    def add(self, requests: int, drafted: int, accepted: int) -> None:
-        """One forward over `requests` scheduled requests that verified `drafted` drafts."""
+    def add(self, requests: int, drafted: int, accepted: int, drafting_requests: int = 0) -> None:
+        """One forward over `requests` scheduled requests, `drafting_requests` of which verified
+        `drafted` drafts in all."""
         self.steps += 1
+        self.drafting_requests += drafting_requests
         self.drafting_steps += drafted > 0
         self.shared_steps += drafted > 0 and requests > 1
         self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
@@ -340,7 +343,8 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 self.scheduler.block_new_requests = False
             if state.streaming or state.status == RequestStatus.FINISHED:
                 outputs.append(state.to_generation_output())
-        self.counts.add(requests=len(rows), drafted=sum(verified.values()), accepted=sum(kept.values()))
+        self.counts.add(requests=len(rows), drafted=sum(verified.values()), accepted=sum(kept.values()),
+                        drafting_requests=sum(n > 0 for n in verified.values()))
         self.drafter.accepted(kept)
         self._observe(verified, kept, emitted)
         if outputs:
