@@ -37,7 +37,7 @@ import torch
 
 from transformers import GenerationConfig
 
-from hf_specdec import _compat
+from hf_specdec._compat import generation, kv_cache
 from hf_specdec.cached_model import CachedModel
 from hf_specdec.loop import DecodingLoop
 from hf_specdec.rows import RowInts
@@ -111,11 +111,11 @@ def forward_ms(model, ids: torch.Tensor, width: int, reps: int, compile_config=N
     times = []
     if compile_config is None:
         for _ in range(reps + 1):
-            cache = _compat.new_cache(model)
-            model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+            cache = kv_cache.new_cache(model)
+            model(input_ids=ids, use_cache=True, **kv_cache.cache_kwargs(model, cache))
             sync()
             start = time.perf_counter()
-            model(input_ids=ids[:, -width:], use_cache=True, **_compat.cache_kwargs(model, cache))
+            model(input_ids=ids[:, -width:], use_cache=True, **kv_cache.cache_kwargs(model, cache))
             sync()
             times.append(time.perf_counter() - start)
         return 1e3 * statistics.median(times[1:])
@@ -195,7 +195,7 @@ def run_cell(target, draft, methods, batch: int, alpha: float, args, device) -> 
     # dynamo's own account of the cell's compiles (every method's, Transformers' included)
     cell = {"alpha_built": alpha, "batch": batch, "alpha": measured, "methods": rows, "compile_s": compiling}
     # eager costs bound eager methods (over plain); compiled costs bound /static ones (over plain/static)
-    compiled = _compat.compile_config(target, GenerationConfig(cache_implementation="static"))
+    compiled = generation.compile_config(target, GenerationConfig(cache_implementation="static"))
     for kind, config, ratio in (("eager", None, "x_plain"), ("static", compiled, "x_static")):
         if kind == "static" and config is None:
             continue                             # Transformers compiles on CUDA-like devices only

@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 import hf_specdec
-from hf_specdec import _compat
+from hf_specdec._compat import modeling
 from envs import ENVS as MODELS, encode, humaneval_texts, qwen_coder, random_ids  # eval/ is on sys.path as a script
 from harness import Results, arguments, check_identity, forward_ms, identity_mark, ints, over_chunks, parse
 from identity import counts
@@ -91,7 +91,7 @@ def run_env(name, args, results: Results) -> None:
         inputs = make_inputs(batch)
         models = (("target", target), ("inter", intermediate)) + (() if isinstance(draft, type) else (("draft", draft),))
         ids = random_ids(1000, batch, 64)["input_ids"]         # one-token forwards after a 64-token prefill
-        seconds = {role: forward_ms(m, ids.to(_compat.execution_device(m)))[1] / 1e3 for role, m in models}
+        seconds = {role: forward_ms(m, ids.to(modeling.execution_device(m)))[1] / 1e3 for role, m in models}
         seconds.setdefault("draft", 0.0)      # a lookup drafter: no forward
         table = methods(intermediate, draft, args.two_model_k, args.hierarchy)
         drafters, stats = {}, {}

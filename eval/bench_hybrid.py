@@ -31,7 +31,7 @@ from harness import Results, arguments, generate, interleaved, ints, parse, spee
 from methods import MethodFactory, parse_methods
 from report import figure, method_bars
 
-from hf_specdec import _compat
+from hf_specdec._compat import kv_cache
 from hf_specdec.kernels import use_onednn_linears
 from hf_specdec.states import as_verification
 from hf_specdec.testing import circle_continuation, circle_model
@@ -44,11 +44,11 @@ def forward_ms(model, prompt: torch.Tensor, width: int, ours: bool, repeats: int
     Transformers' own (its DynamicCache), or as our verification runs it (`as_verification`)."""
     times = []
     for _ in range(repeats + 1):
-        cache = _compat.new_cache(model) if ours else _compat.DynamicCache(config=model.config)
+        cache = kv_cache.new_cache(model) if ours else kv_cache.DynamicCache(config=model.config)
         for ids in (prompt, prompt[:, -width:]):
             start = time.perf_counter()
             with as_verification(model, cache, len(ids), ids.shape[1]) if ours else contextlib.nullcontext():
-                model(input_ids=ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+                model(input_ids=ids, use_cache=True, **kv_cache.cache_kwargs(model, cache))
         times.append(time.perf_counter() - start)
     return round(1e3 * statistics.median(times[1:]), 1)
 

@@ -33,7 +33,7 @@ from identity import compare_rows, counts
 from methods import MethodFactory, parse_method
 from report import figure, method_bars
 
-from hf_specdec import _compat
+from hf_specdec._compat import kv_cache
 from hf_specdec.cached_model import CachedModel
 from hf_specdec.embedded import load_model
 
@@ -64,7 +64,7 @@ class CacheBytes:
         self._hook = model.register_forward_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs, output):
-        cache = _compat.cache_from_model_kwargs(kwargs)
+        cache = kv_cache.cache_from_model_kwargs(kwargs)
         self.after.append(sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None),
                                                                          getattr(layer, "values", None))
                               if isinstance(t, torch.Tensor)))

@@ -167,19 +167,19 @@ def forward_ms(model, input_ids: torch.Tensor, widths=(1,), repeats: int = 5) ->
     """Median milliseconds of one forward of `w` tokens over a cache of `input_ids` [b, p], per width
     w, the widths interleaved in `repeats` rounds after one warm-up round (a machine's drift then
     moves every width alike); the device is synchronised around each."""
-    from hf_specdec import _compat
+    from hf_specdec._compat import kv_cache
     sync = torch.cuda.synchronize if input_ids.device.type == "cuda" else (lambda: None)
-    cache = _compat.new_cache(model)
-    model(input_ids=input_ids, use_cache=True, **_compat.cache_kwargs(model, cache))
+    cache = kv_cache.new_cache(model)
+    model(input_ids=input_ids, use_cache=True, **kv_cache.cache_kwargs(model, cache))
     times = {w: [] for w in widths}
     for _ in range(repeats + 1):
         for w in widths:
             sync()
             start = time.perf_counter()
-            model(input_ids=input_ids[:, -w:], use_cache=True, **_compat.cache_kwargs(model, cache))
+            model(input_ids=input_ids[:, -w:], use_cache=True, **kv_cache.cache_kwargs(model, cache))
             sync()
             times[w].append(time.perf_counter() - start)
-            _compat.crop(cache, w)
+            kv_cache.crop(cache, w)
     return {w: round(1e3 * statistics.median(t[1:]), 2) for w, t in times.items()}
 
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from hf_specdec import _compat
+from hf_specdec._compat import kv_cache
 
 VERDICTS = ("identical", "near_tie", "other")
 
@@ -85,9 +85,9 @@ def compare_tokens(model, prompt, plain, spec, eos_token_id=None) -> dict:
 
 def _split_gap(model, prefix: torch.Tensor, j: int, plain_token: int, spec_token: int) -> float:
     """The logit gap at the end of prefix [1, n] when its last j tokens go in one forward over a cache."""
-    cache = _compat.new_cache(model)
-    model(input_ids=prefix[:, :-j], use_cache=True, **_compat.cache_kwargs(model, cache))
-    logits = model(input_ids=prefix[:, -j:], use_cache=True, **_compat.cache_kwargs(model, cache)).logits
+    cache = kv_cache.new_cache(model)
+    model(input_ids=prefix[:, :-j], use_cache=True, **kv_cache.cache_kwargs(model, cache))
+    logits = model(input_ids=prefix[:, -j:], use_cache=True, **kv_cache.cache_kwargs(model, cache)).logits
     logits = logits[0, -1].float()
     return float(logits[plain_token] - logits[spec_token])
 

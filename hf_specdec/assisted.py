@@ -30,7 +30,7 @@ import logging
 import torch
 from transformers import GenerationConfig
 
-from . import _compat
+from ._compat import gemma4_assistant, generation, kv_cache
 from .drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from .generate import RIGHT_PADDING, TRANSFORMERS_DRAFTING, UNSUPPORTED_OUTPUTS, right_padded
 from .policies import ConfidenceThreshold, FixedLength, HFHeuristic
@@ -72,15 +72,15 @@ def transformers_only(model, kwargs: dict) -> str | None:
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and right_padded(mask):   # (Transformers runs it as given)
         return RIGHT_PADDING
     assistant = kwargs.get("assistant_model")
-    own_model = isinstance(assistant, torch.nn.Module) and not _compat.reads_target_states(assistant)
+    own_model = isinstance(assistant, torch.nn.Module) and not gemma4_assistant.reads_target_states(assistant)
     for name, one in [("the target", model)] + [("assistant_model", assistant)] * own_model:
-        layers = _compat.unsupported_layers(one)
+        layers = kv_cache.unsupported_layers(one)
         if layers:
             return f"{name} ({type(one).__name__}) has {layers} layers"
-        missing = _compat.slot_cache_inputs_missing(one)
+        missing = kv_cache.slot_cache_inputs_missing(one)
         if missing:
             return f"{name} ({type(one).__name__}) takes no {missing} argument"
-    if _compat.reads_target_states(assistant) and _compiles(model, kwargs):
+    if gemma4_assistant.reads_target_states(assistant) and _compiles(model, kwargs):
         return (f"assistant_model is a {type(assistant).__name__}, which our loop runs on eager forwards only "
                 "(cache_implementation='static' compiles them here)")
     return None
@@ -91,7 +91,7 @@ def _compiles(model, kwargs: dict) -> bool:
     config = kwargs.get("generation_config") or model.generation_config
     if setting("cache_implementation", kwargs, config) != "static":
         return False
-    return _compat.compile_config(model, config) is not None
+    return generation.compile_config(model, config) is not None
 
 
 def translate(model, kwargs: dict) -> tuple[dict, object]:

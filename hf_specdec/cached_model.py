@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compat
+from ._compat import kv_cache, modeling, recurrent
 from .rows import RowInts
 from .sequences import SequenceBatch
 from .slots import DynamicSlots, StaticSlots
@@ -44,18 +44,18 @@ class SpecRegion:
 class CachedModel:
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.device = _compat.execution_device(model)
-        self._logits_to_keep = _compat.accepts_logits_to_keep(model)
+        self.device = modeling.execution_device(model)
+        self._logits_to_keep = modeling.accepts_logits_to_keep(model)
         # sliding-window layers: the mask applies the window (in real positions: slots may be holes),
         # so the model gets 4-D masks (`model_mask`); on a dynamic cache they forget the slots that
         # no row's window reaches any more (`_trim_window`), unless a caller may bring back tokens of
         # an earlier step (a hierarchy's levels) or reads every slot (a target-states drafter)
-        self.window = _compat.sliding_window(model)
-        kinds = {kind for kind, _ in _compat.layer_kinds(model)}
+        self.window = modeling.sliding_window(model)
+        kinds = {kind for kind, _ in modeling.layer_kinds(model)}
         self.full_layers_too = "full_attention" in kinds
         self.trims_window = self.window is not None and "dummy" not in kinds     # (no K/V-sharing layers)
         # recurrent / convolution layers keep states per row, not slots (states.py)
-        self.stateful = bool(_compat.state_kinds(model))
+        self.stateful = bool(recurrent.state_kinds(model))
         self.states = None
         self.slots = None
         self.forwards = 0   # in this generate() call
@@ -196,7 +196,7 @@ class CachedModel:
         if arranged is None:
             logits = self.slots.forward(self, tokens, real, positions, keep)
         else:
-            with _compat.recording_states(self.model, arranged.plan):
+            with recurrent.recording_states(self.model, arranged.plan):
                 logits = self.slots.forward(self, tokens, real, positions, arranged.keep(keep))
                 self.states.settle(self.slots.cache, arranged)
             logits = arranged.logits(logits, width, keep)
@@ -212,7 +212,7 @@ class CachedModel:
         if self.keeps_hidden:
             kwargs["output_hidden_states"] = True
         out = self.model(input_ids=tokens, attention_mask=self.model_mask(mask, positions), position_ids=positions,
-                         use_cache=True, **_compat.cache_kwargs(self.model, cache), **kwargs)
+                         use_cache=True, **kv_cache.cache_kwargs(self.model, cache), **kwargs)
         if self.keeps_hidden:
             self._hidden = out.hidden_states[-1][:, -keep:]
         return out.logits
@@ -230,7 +230,7 @@ class CachedModel:
 
     def layer_states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values [n, heads, slots, dim] (the slots of `slot_mask`)."""
-        keys, values = _compat.layer_kv(self.slots.cache, index)
+        keys, values = kv_cache.layer_kv(self.slots.cache, index)
         n, used = len(self.num_real), self.num_slots
         return keys[:n, :, :used], values[:n, :, :used]
 
@@ -244,7 +244,7 @@ class CachedModel:
             return slots
         masks = window_masks(self.model, slots, positions, self.window, self.slots.window_columns)
         if self.stateful:       # a recurrent layer's: none (each row's holes come after its real tokens)
-            return masks | dict.fromkeys(_compat.state_kinds(self.model))
+            return masks | dict.fromkeys(recurrent.state_kinds(self.model))
         return masks if self.full_layers_too else masks["sliding_attention"]
 
     def open_region(self, lead: int, width: int) -> SpecRegion:
@@ -420,7 +420,7 @@ def window_masks(model: torch.nn.Module, slots: torch.Tensor, positions: torch.T
 
 def _as_attention_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     """A boolean 4-D mask as the model's attention takes it: boolean (sdpa), or additive (eager)."""
-    if _compat.attn_implementation(model) == "sdpa":
+    if modeling.attn_implementation(model) == "sdpa":
         return allowed
     dtype = next(model.parameters()).dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)

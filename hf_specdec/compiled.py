@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters
 
-from . import _compat, regions
+from . import regions
+from ._compat import modeling
 from .tiers import SPEC_TIERS
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ _COMPILED_LOCK = threading.Lock()
 def compiled_forwards(model: torch.nn.Module, compile_config) -> CompiledForwards:
     """The model's compiled forward for this config on its device, kept across generate() calls
     (compiling is slow); all of a model's share one lock (`CompiledForwards.lock`)."""
-    forwards = CompiledForwards(compile_config, _compat.execution_device(model))
+    forwards = CompiledForwards(compile_config, modeling.execution_device(model))
     with _COMPILED_LOCK:
         per_key = _COMPILED.setdefault(model, {})
         if per_key:                     # the model's lock: its first compiled forwards'

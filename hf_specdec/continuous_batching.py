@@ -49,7 +49,8 @@ from transformers.generation.continuous_batching.continuous_api import (Continuo
                                                                         ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.requests import FutureRequestState, RequestStatus
 
-from . import _compat, assisted, timing
+from . import assisted, timing
+from ._compat import cb, modeling, recurrent
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .generate import check_spec_args, ensure_profile
 from .policies import SpecPolicy, StepContext
@@ -83,7 +84,7 @@ class Speculation:
         return ModelDrafter(self.draft_model) if self.draft_model is not None else self.lookup
 
     def device(self, model) -> torch.device:
-        return _compat.execution_device(self.draft_model if self.draft_model is not None else model)
+        return modeling.execution_device(self.draft_model if self.draft_model is not None else model)
 
     @property
     def max_len(self) -> int:
@@ -246,7 +247,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
                 count = int(future.has_new_token)
             rows.append(LogitRows(request=future, first=len(logits), count=count))
             logits.extend(range(end - count, end))
-        indices, arguments = _compat.cb_logit_rows(ios)
+        indices, arguments = cb.logit_rows(ios)
         indices[:len(logits)] = torch.tensor(logits, dtype=torch.int32)
         repeated = [row.request for row in rows for _ in range(row.count)]
         self.logit_processor.prepare_tensor_args(repeated, arguments)
@@ -265,9 +266,9 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
             return super()._generation_step(model)
         ios, n = self.inputs_and_outputs, self._num_logits
         batch_data = ios.get_model_kwargs(use_padding=False)
-        indices, arguments = _compat.cb_logit_rows(ios)
+        indices, arguments = cb.logit_rows(ios)
         batch_data["logits_indices"], batch_data["logits_processor_args"] = indices[:n], arguments[:, :n]
-        with _compat.cb_sampling_replaced(self.model_runner, self._accept):
+        with cb.sampling_replaced(self.model_runner, self._accept):
             self.model_runner.compute_batch(model, batch_data)
         ios.retrieve_device_outputs()
 
@@ -349,7 +350,7 @@ class SpecBatchProcessor(ContinuousBatchProcessor):
         self._observe(verified, kept, emitted)
         if outputs:
             self.output_router.deliver_batch(outputs)
-        if _compat.cb_forks_pending(self.scheduler):
+        if cb.forks_pending(self.scheduler):
             # Transformers' update over no requests runs only its fork step (num_return_sequences > 1)
             ios.requests_in_batch = []
             super().update_batch()
@@ -410,10 +411,10 @@ class SpecBatchingManager(ContinuousBatchingManager):
         """Transformers' `add_request`, after refusing a prompt the paged cache cannot hold (`RequestRefused`):
         Transformers' loop would fail on it, and with it every request in flight and every later one."""
         if self.is_running() and self._processor_made.wait(self.PROCESSOR_WAIT_S):
-            capacity = _compat.cb_capacity(self.batch_processor.cache)
+            capacity = cb.capacity(self.batch_processor.cache)
             if len(input_ids) + 1 > capacity:
                 if request_id is not None:
-                    _compat.cb_forget_handler(self, request_id)
+                    cb.forget_handler(self, request_id)
                 raise RequestRefused(f"the prompt has {len(input_ids)} tokens; the paged cache holds {capacity} "
                                      "tokens per request (prompt and new tokens): shorten it, or give the cache more "
                                      "blocks (num_blocks, --cb-num-blocks)")
@@ -423,7 +424,7 @@ class SpecBatchingManager(ContinuousBatchingManager):
 def check_model(model) -> None:
     """Models whose continuous batching cannot speculate: sliding-window layers (a ring cache),
     recurrent or convolution layers (a state per request, which a rejected draft has passed)."""
-    if _compat.state_kinds(model) or getattr(model, "_is_stateful", False):
+    if recurrent.state_kinds(model) or getattr(model, "_is_stateful", False):
         raise ValueError(f"{type(model).__name__} has recurrent or convolution layers: continuous batching keeps one "
                          "state per request, which rejected drafts would have changed; speculate with generate() "
                          "instead")

@@ -147,10 +147,10 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
 
     import torch
 
-    from . import _compat
+    from ._compat import kv_cache, modeling
     from .states import as_verification
-    cache = _compat.new_cache(model)
-    can_keep = _compat.accepts_logits_to_keep(model)
+    cache = kv_cache.new_cache(model)
+    can_keep = modeling.accepts_logits_to_keep(model)
 
     def keep(width: int) -> dict:
         return {"logits_to_keep": width if all_logits else 1} if can_keep else {}
@@ -159,19 +159,19 @@ def _time_forwards(model, ids, context: int, widths: Sequence[int], repeats: int
         if context:          # a forward's time depends on how many slots it attends to, not on their content:
             # one row's prefill, copied to every row (a CPU prefills a batch of long rows slowly)
             with as_verification(model, cache, 1, context):
-                model(input_ids=ids[:1, :context], use_cache=True, **keep(1), **_compat.cache_kwargs(model, cache))
-            _compat.repeat_rows(cache, ids.shape[0])
+                model(input_ids=ids[:1, :context], use_cache=True, **keep(1), **kv_cache.cache_kwargs(model, cache))
+            kv_cache.repeat_rows(cache, ids.shape[0])
         for width in widths:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 with as_verification(model, cache, ids.shape[0], width):
                     model(input_ids=ids[:, context: context + width], use_cache=True, **keep(width),
-                          **_compat.cache_kwargs(model, cache))
+                          **kv_cache.cache_kwargs(model, cache))
                 if ids.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-                _compat.crop(cache, width)
+                kv_cache.crop(cache, width)
             out.append(statistics.median(times))
     return out
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import StoppingCriteria
 
-from . import _compat
+from ._compat import modeling, tensor_parallel
 from .policies import Decision, SpecPolicy, StepContext
 from .stats import StepRecord
 
@@ -73,10 +73,10 @@ class Ranks:
 def ranks_of(model) -> Ranks | None:
     """The tensor-parallel ranks of `model`, or None when it is whole on this process (no
     torch.distributed, or data parallelism: each process runs its own calls)."""
-    group = _compat.tensor_parallel_group(model)
+    group = tensor_parallel.tensor_parallel_group(model)
     if group is None:
         return None
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else _compat.execution_device(model)
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else modeling.execution_device(model)
     return Ranks(group=group, source=dist.get_global_rank(group, 0), decides=dist.get_rank(group) == 0, device=device)
 
 
@@ -89,12 +89,12 @@ def check(ranks: Ranks, model, drafters, input_ids: torch.Tensor, draft_offload)
     target_ranks = dist.get_process_group_ranks(ranks.group)
     for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
                                                  for m in d.models()]:
-        group = _compat.tensor_parallel_group(one)
+        group = tensor_parallel.tensor_parallel_group(one)
         if group is not None and dist.get_process_group_ranks(group) != target_ranks:
             raise ValueError(f"{name} is sharded over ranks {dist.get_process_group_ranks(group)}, the target over "
                              f"{target_ranks}: a drafter must be replicated (loaded "
                              "without distributed_config) or sharded over the target's ranks")
-        if group is not None and _compat.shards_logits(one):
+        if group is not None and tensor_parallel.shards_logits(one):
             raise ValueError(f"{name}'s tensor-parallel plan leaves each rank a shard of the vocabulary's logits "
                              "(its output head is not gathered); speculative decoding verifies full distributions: "
                              "use a plan whose output head gathers (\"colwise_gather_output\", as tp_plan='auto')")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from . import _compat, costmodel, distributed
+from . import costmodel, distributed
+from ._compat import gemma4_assistant, generation, kv_cache, modeling, recurrent
 from .drafters import Drafter, TargetStatesDrafter, as_drafter, output_vocab_size
 from .kept import kept_for
 from .loop import DecodingLoop
@@ -30,7 +31,7 @@ CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")   # static: every model's KV
 GRAPHABLE_ATTENTION = ("sdpa", "eager")     # attention a compiled static forward can run inside a CUDA graph
 # what generate() itself puts in model_kwargs for a decoder-only text model; anything else
 # (token_type_ids, pixel_values, ...) would be silently ignored by our forwards, so it is refused
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *_compat.CACHE_KWARG_NAMES}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", *kv_cache.CACHE_KWARG_NAMES}
 
 
 def generate(model, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList | None = None,
@@ -117,8 +118,8 @@ def _run(model, input_ids, generation_config: GenerationConfig, attention_mask, 
 
     static = generation_config.cache_implementation == "static"
     batch = SequenceBatch(input_ids, attention_mask, generation_config.max_length,
-                          pad_token_id=_compat.pad_token_id(generation_config), static_cache=static,
-                          compile_config=_compat.compile_config(model, generation_config) if static else None,
+                          pad_token_id=generation.pad_token_id(generation_config), static_cache=static,
+                          compile_config=generation.compile_config(model, generation_config) if static else None,
                           kept=kept)
     ensure_profile(policy, model, drafters, input_ids.shape[0], ranks)
     stops = StopJudge(stopping_criteria, input_ids.shape[0], generation_config.max_length, input_ids.device,
@@ -127,7 +128,7 @@ def _run(model, input_ids, generation_config: GenerationConfig, attention_mask, 
     stats = loop.run()
     sequences = batch.output()
     if generation_config.return_dict_in_generate:
-        return _compat.SpecGenerateOutput(sequences=sequences, spec_stats=stats)
+        return generation.SpecGenerateOutput(sequences=sequences, spec_stats=stats)
     return sequences
 
 
@@ -212,7 +213,7 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
     drafters = [as_drafter(obj, i) for i, obj in enumerate(assistant_models)]
     target_vocab = output_vocab_size(model)
     for i, drafter in enumerate(drafters):
-        mismatch = _compat.target_states_mismatch(drafter.model, model) if isinstance(drafter, TargetStatesDrafter) \
+        mismatch = gemma4_assistant.target_states_mismatch(drafter.model, model) if isinstance(drafter, TargetStatesDrafter) \
             else None
         if mismatch:
             raise ValueError(f"assistant_models[{i}] ({type(drafter.model).__name__}) drafts from its target's "
@@ -237,23 +238,23 @@ def _check_cache(model, drafters: list[Drafter], generation_config: GenerationCo
         raise ValueError(f"cache_config={generation_config.cache_config!r} is not supported with speculative "
                          "decoding: hf_specdec sizes every model's cache from max_length itself")
     static = generation_config.cache_implementation == "static"
-    compiling = static and _compat.compile_config(model, generation_config) is not None
+    compiling = static and generation.compile_config(model, generation_config) is not None
     reading = [i for i, d in enumerate(drafters) if isinstance(d, TargetStatesDrafter)]
     if compiling and reading:
         raise ValueError(f"assistant_models{reading} draft from the target's states, which hf_specdec reads from eager "
                          "forwards only; cache_implementation='static' compiles them here: use the default cache")
     for name, one in [("the target", model)] + [(f"assistant_models[{i}]", m) for i, d in enumerate(drafters)
                                                  for m in d.models()]:
-        layers = _compat.unsupported_layers(one)
+        layers = kv_cache.unsupported_layers(one)
         if layers:
             raise ValueError(f"{name} ({type(one).__name__}) has {layers} layers, in which hf_specdec cannot roll "
                              "back a rejected draft (it masks cache slots); with enable(model), assistant_model= "
                              "runs it in Transformers' own assisted generation (batch 1)")
-        kinds = _compat.state_kinds(one)
+        kinds = recurrent.state_kinds(one)
         if static and kinds:
             raise ValueError(f"{name} ({type(one).__name__}) has {sorted(kinds)[0]} layers, whose states hf_specdec keeps "
                              "per row on the default cache only; cache_implementation='static' is not supported with it")
-        attention = _compat.attn_implementation(one)
+        attention = modeling.attn_implementation(one)
         if compiling and attention not in GRAPHABLE_ATTENTION:
             raise ValueError(f"cache_implementation='static' compiles every model's decoding forward into CUDA graphs, "
                              f"which {name}'s attn_implementation={attention!r} cannot be captured in (it reads the "
@@ -292,8 +293,8 @@ def _check_inputs(model, input_ids, generation_config: GenerationConfig, model_k
     if unknown:
         raise ValueError(f"model inputs {unknown} are not supported with speculative decoding; "
                          "pass input_ids and attention_mask only")
-    cache = _compat.cache_from_model_kwargs(model_kwargs)
-    if cache is not None and _compat.cache_in_use(cache):
+    cache = kv_cache.cache_from_model_kwargs(model_kwargs)
+    if cache is not None and kv_cache.cache_in_use(cache):
         raise ValueError("a KV cache with content (cache= / past_key_values=) is not supported: hf_specdec "
                          "builds its own caches")
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compat
+from ._compat import cb
 from .drafters.base import ContinueDrafting, Drafter
 from .rows import RowInts
 from .sampling import TokenSampler
@@ -52,14 +52,14 @@ class RequestSampler(TokenSampler):
 
     def follow(self, states: list) -> None:
         """The active rows' requests, in row order."""
-        self.arguments = _compat.cb_request_arguments(self.request_processors, states)
+        self.arguments = cb.request_arguments(self.request_processors, states)
 
     def scores(self, batch: SequenceBatch, logits: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         n, m, vocab = logits.shape
         if self.arguments is None:
             return logits
         per_position = self.arguments.repeat_interleave(m, 1).to(logits.device)     # [processors, n * m]
-        return _compat.cb_process(self.request_processors, logits.reshape(n * m, vocab), per_position).view(n, m, vocab)
+        return cb.process(self.request_processors, logits.reshape(n * m, vocab), per_position).view(n, m, vocab)
 
 
 class RequestRows:

@@ -15,7 +15,8 @@ import argparse
 import functools
 import logging
 
-from . import _compat, continuous_batching
+from . import continuous_batching
+from ._compat import serving
 from .enable import enable
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,8 @@ def run(args: argparse.Namespace, transformers_args: list[str]) -> None:
         transformers_args = ["--continuous-batching", *transformers_args]
     hook = functools.partial(speculate, draft=args.draft, prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                              max_matching_ngram_size=args.max_matching_ngram_size, spec_policy=args.spec_policy)
-    with _compat.serve_loads(hook), _compat.serve_refusals(check_chat, continuous_batching.RequestRefused):
-        _compat.transformers_cli(["serve", args.model, *transformers_args])
+    with serving.serve_loads(hook), serving.serve_refusals(check_chat, continuous_batching.RequestRefused):
+        serving.transformers_cli(["serve", args.model, *transformers_args])
 
 
 def check_chat(body: dict) -> None:

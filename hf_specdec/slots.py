@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat
+from ._compat import kv_cache, modeling
 from .compiled import WIDTH_TIERS, WarmupCount, compiled_forwards
 
 
@@ -56,7 +56,7 @@ class DynamicSlots:
     """A DynamicCache and its slot mask, for `rows` rows (any width, eager)."""
 
     def __init__(self, model: torch.nn.Module, rows: int, device):
-        self.cache = _compat.new_cache(model)
+        self.cache = kv_cache.new_cache(model)
         self.rows = rows
         self.mask = torch.zeros(rows, 0, dtype=torch.bool, device=device)      # [rows, used]
         self.used = 0
@@ -64,7 +64,7 @@ class DynamicSlots:
         # sliding-window layers hold slots front .. used: the slots before are outside every row's
         # window (`CachedModel._trim_window`); full-attention layers hold them all
         self.front = 0
-        self.sliding = _compat.sliding_layers(model)
+        self.sliding = modeling.sliding_layers(model)
         self.ring = None          # (they grow with each forward)
 
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
@@ -90,28 +90,28 @@ class DynamicSlots:
         if used < self.front:             # (no rows left) the sliding-window layers keep nothing
             self.window_front(self.used)
             self.front = used
-        _compat.crop(self.cache, self.used - used)
+        kv_cache.crop(self.cache, self.used - used)
         self.mask = self.mask[:, :used]
         self.used = used
 
     def drop_front(self, slots: int) -> None:
         """The first `slots` slots are holes in every row: forget them."""
-        _compat.drop_front(self.cache, slots, self.cache_layers_but(self.sliding))
-        _compat.drop_front(self.cache, slots - self.front, self.sliding)
+        kv_cache.drop_front(self.cache, slots, self.cache_layers_but(self.sliding))
+        kv_cache.drop_front(self.cache, slots - self.front, self.sliding)
         self.mask = self.mask[:, slots:]
         self.used -= slots
         self.front = max(0, self.front - slots)
 
     def window_front(self, front: int) -> None:
         """The sliding-window layers forget the slots before `front` (no row's window reaches them)."""
-        _compat.drop_front(self.cache, front - self.front, self.sliding)
+        kv_cache.drop_front(self.cache, front - self.front, self.sliding)
         self.front = front
 
     def compact(self, window_keep: torch.Tensor | None = None) -> None:
         """Every row's real slots move to the end, in order (`compaction`)."""
         keep, order, window_order, front, self.mask = compaction(self.mask, self.front, window_keep)
-        _compat.gather_slots(self.cache, order, self.cache_layers_but(self.sliding))
-        _compat.gather_slots(self.cache, window_order, self.sliding)
+        kv_cache.gather_slots(self.cache, order, self.cache_layers_but(self.sliding))
+        kv_cache.gather_slots(self.cache, window_order, self.sliding)
         self.used, self.front = keep, front
         self.moves += 1
 
@@ -124,7 +124,7 @@ class DynamicSlots:
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Keep rows `keep` [m] (indices), in that order."""
-        _compat.select_rows(self.cache, keep)
+        kv_cache.select_rows(self.cache, keep)
         self.mask = self.mask[keep]
         self.rows = len(keep)
 
@@ -133,7 +133,7 @@ class DynamicSlots:
         width = max(self.used, other.used)
         def pad(mask):
             return torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=False)
-        _compat.append_rows(self.cache, self.rows, other.cache, other.rows)
+        kv_cache.append_rows(self.cache, self.rows, other.cache, other.rows)
         self.mask = torch.cat([pad(self.mask), pad(other.mask)])
         # the sliding-window layers end-aligned too: they hold the longer of the two (its
         # extra slots in the other rows are before their windows)
@@ -172,8 +172,8 @@ class StaticSlots:
             # (allocated by the first forward: an eager prefill of `rows` rows)
             self.capacity = max(needed, self.capacity)
             self.ring = ring
-            self.sliding = _compat.sliding_layers(model) if ring else set()
-            self.cache = _compat.new_static_cache(model, self.capacity, self.sliding, ring or 0)
+            self.sliding = modeling.sliding_layers(model) if ring else set()
+            self.cache = kv_cache.new_static_cache(model, self.capacity, self.sliding, ring or 0)
             self.full, self.views, self.alloc_rows = [], {}, 0
         else:
             self._use_rows(self.rows)
@@ -202,7 +202,7 @@ class StaticSlots:
         self._mask[self.n:, 0] = True          # a dummy row attends one slot: no empty softmax
 
     def _set_length(self) -> None:
-        _compat.set_static_length(self.cache, self.used, self.sliding, self.front)
+        kv_cache.set_static_length(self.cache, self.used, self.sliding, self.front)
 
     def _use_rows(self, rows: int) -> None:
         """Point every layer at the first `rows` rows of the allocation (views kept per row count:
@@ -214,8 +214,8 @@ class StaticSlots:
                     torch._dynamo.mark_static_address(t)      # as Transformers tags its own cache tensors
                     if self.compiled:
                         torch._dynamo.maybe_mark_dynamic(t, 0)     # one graph for every row count
-        for layer, (k, v) in zip(_compat.static_layers(self.cache), self.views[rows]):
-            _compat.set_static_tensors(layer, k, v)
+        for layer, (k, v) in zip(kv_cache.static_layers(self.cache), self.views[rows]):
+            kv_cache.set_static_tensors(layer, k, v)
         self.rows = rows
 
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
@@ -229,13 +229,13 @@ class StaticSlots:
         # hole slots on the right up to the tier's width, dummy rows below up to the bucket
         self._mask[:n, self.used:self.used + width] = _pad(real, n, width)    # (the pad's slots: holes)
         tokens, positions = (_pad(t, self.rows, width) for t in (tokens, positions))
-        cache_position = _compat.static_cache_position(self.used, width, tokens.device)
+        cache_position = kv_cache.static_cache_position(self.used, width, tokens.device)
         self.used += width
         mask = self._mask[:self.rows]             # the whole capacity is the key length (unwritten slots are 0)
         if tier is None:
             logits = runner.eager(self.cache, tokens, mask, positions, keep, cache_position=cache_position)
             if not self.full:                     # the first forward allocated the cache
-                layers = _compat.static_layers(self.cache)
+                layers = kv_cache.static_layers(self.cache)
                 ring = [self.cache.layers[i] for i in self.sliding]
                 self.full = [(layer.keys, layer.values) for layer in layers]
                 self.in_ring = [any(layer is r for r in ring) for layer in layers]
@@ -243,7 +243,7 @@ class StaticSlots:
                 self._use_rows(self.rows)
             return logits
         logits = self.compiled(runner.model, tokens, runner.model_mask(mask, positions), positions, cache_position,
-                               _compat.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr(),
+                               kv_cache.cache_kwargs(runner.model, self.cache), self.full[0][0].data_ptr(),
                                self.warmups, slice(end - keep, end))
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
@@ -313,7 +313,7 @@ class StaticSlots:
         if self.full:
             self._resize(True, slots, self.used - self.front)
         else:                                 # (not allocated yet)
-            self.cache = _compat.new_static_cache(model, self.capacity, self.sliding, slots)
+            self.cache = kv_cache.new_static_cache(model, self.capacity, self.sliding, slots)
 
     def _resize(self, ring: bool, slots: int, kept: int) -> None:
         """The ring's layers (or the full ones) of `slots` slots, keeping their first `kept`."""

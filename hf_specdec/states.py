@@ -6,7 +6,7 @@ changed it, and a rejected draft is in it. So each forward of such a model
   - puts each row's real tokens first (`arrange`): holes come after a row's last real token, where
     they change nothing the row keeps;
   - records the states after the columns a row may return to (`StatePlan`; in
-    `_compat.StateLayer`, by reference: what the forward computed anyway): its last real token,
+    `recurrent.StateLayer`, by reference: what the forward computed anyway): its last real token,
     and while a speculative region is open every token from where the region begins (the k + 1
     positions of a verification; vLLM keeps one state slot per speculative position too);
   - `settle`s each row on the state after its last real token.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _compat
+from ._compat import kv_cache, recurrent
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Arranged:
     """A forward's columns rearranged so each row's real tokens come first, and its states' plan."""
 
     order: torch.Tensor | None     # [n, w]: the given column at each column (None: as given)
-    plan: _compat.StatePlan        # the states the forward keeps
+    plan: recurrent.StatePlan        # the states the forward keeps
     last: list[int]                # per row, its last real column (-1: none): where it settles
     region: tuple | None           # with a region open, per row: (region token -> column offset, first, last column)
     holes: int                     # the most holes of a row
@@ -68,16 +68,16 @@ class RowStates:
         last = [c - 1 for c in count]
         if self.region_start is None:          # only each row's last real token (or its state before)
             region = None
-            plan = _compat.StatePlan(first=min(last, default=-1), last_only=bool(n) and min(last) == width - 1)
+            plan = recurrent.StatePlan(first=min(last, default=-1), last_only=bool(n) and min(last) == width - 1)
         else:                                  # from where the region begins to its last real token
             low = [r - 1 for r in lead_real]
             region = ([lo - t for lo, t in zip(low, self.region_tokens)], low, last)
-            plan = _compat.StatePlan(first=min(low, default=-1))
+            plan = recurrent.StatePlan(first=min(low, default=-1))
             self.region_tokens = [t + c - r for t, c, r in zip(self.region_tokens, count, lead_real)]
         return tokens, real, Arranged(order, plan, last, region, width - min(count, default=width))
 
     def settle(self, cache, arranged: Arranged) -> None:
-        for layer in _compat.state_layers(cache):
+        for layer in recurrent.state_layers(cache):
             layer.settle(arranged.last, arranged.region)
 
     def open_region(self, start: int, rows: int) -> None:
@@ -86,7 +86,7 @@ class RowStates:
     def rollback(self, cache, kept: list[int]) -> list[int]:
         """Row b keeps the first kept[b] of its region tokens: its states step back there; the
         region closes. Returns the region tokens each row drops (its last real slots)."""
-        for layer in _compat.state_layers(cache):
+        for layer in recurrent.state_layers(cache):
             layer.step_back(kept)
         drop = [t - k for t, k in zip(self.region_tokens, kept)]
         self.region_start = self.region_tokens = None
@@ -100,13 +100,13 @@ class RowStates:
 @contextlib.contextmanager
 def as_verification(model: torch.nn.Module, cache, rows: int, width: int):
     """For timing (cost profiles, benchmarks): within it, one forward of `width` tokens per row over
-    `cache` (`_compat.new_cache(model)`) runs as our verification runs it on a model with recurrent
+    `cache` (`kv_cache.new_cache(model)`) runs as our verification runs it on a model with recurrent
     or convolution layers (each position's states kept, then each row settled on its last);
     nothing changes for other models."""
-    if not _compat.state_kinds(model):
+    if not recurrent.state_kinds(model):
         yield
         return
-    with _compat.recording_states(model, _compat.StatePlan(first=-1)):
+    with recurrent.recording_states(model, recurrent.StatePlan(first=-1)):
         yield
-        for layer in _compat.state_layers(cache):
+        for layer in recurrent.state_layers(cache):
             layer.settle([width - 1] * rows, None)

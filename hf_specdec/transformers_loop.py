@@ -20,14 +20,15 @@ import time
 
 import torch
 
-from . import _compat, distributed
+from . import distributed
+from ._compat import candidate_generators
 from .drafters import ModelDrafter, PromptLookupDrafter
 from .generate import ensure_profile
 from .policies import ConfidenceThreshold, HFHeuristic, SpecPolicy, StepContext, resolve_policy
 from .stats import SpecStats, StepRecord
 
 
-class SpecCandidateGenerator(_compat.CandidateGenerator):
+class SpecCandidateGenerator(candidate_generators.CandidateGenerator):
     """children: Transformers candidate generators, one per drafter; policy: a SpecPolicy."""
 
     def __init__(self, children: list, policy: SpecPolicy, max_length: int, names: list[str]):
@@ -51,8 +52,8 @@ class SpecCandidateGenerator(_compat.CandidateGenerator):
         if self.k:
             for j in range(len(self.children)) if self.scoring else [self.drafter]:
                 begin = time.perf_counter()
-                _compat.set_candidate_length(self.children[j], self.k)
-                _compat.sync_candidate_generator(self.children[j], length)
+                candidate_generators.set_candidate_length(self.children[j], self.k)
+                candidate_generators.sync_candidate_generator(self.children[j], length)
                 self.candidates[j] = self.children[j].get_candidates(input_ids)
                 self.seconds[j] = time.perf_counter() - begin
         self.verify_start = time.perf_counter()
@@ -121,9 +122,9 @@ def generate(model, original, args: tuple, kwargs: dict):
 
     def build(call: dict):
         nonlocal generator
-        children = [_compat.own_candidate_generator(model, call, lookup_tokens=1, ngram=d.max_ngram)
+        children = [candidate_generators.own_candidate_generator(model, call, lookup_tokens=1, ngram=d.max_ngram)
                     if isinstance(d, PromptLookupDrafter) else
-                    _compat.own_candidate_generator(model, call, assistant=d, threshold=threshold)
+                    candidate_generators.own_candidate_generator(model, call, assistant=d, threshold=threshold)
                     for d in drafters]
         names = [getattr(d, "name", None) or type(d).__name__ for d in drafters]
         generator = SpecCandidateGenerator(children, policy, call["generation_config"].max_length, names)
@@ -131,7 +132,7 @@ def generate(model, original, args: tuple, kwargs: dict):
     # any model drafter puts generate() in its assisted mode; with lookup drafters only, prompt lookup does
     trigger = next((d for d in drafters if isinstance(d, torch.nn.Module)), None)
     kwargs.update(assistant_model=trigger) if trigger is not None else kwargs.update(prompt_lookup_num_tokens=1)
-    out = _compat.run_with_candidate_generator(model, build, original, *args, **kwargs)
+    out = candidate_generators.run_with_candidate_generator(model, build, original, *args, **kwargs)
     if not isinstance(out, torch.Tensor) and generator is not None:
         out.spec_stats = generator.stats
     return out

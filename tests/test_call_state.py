@@ -90,7 +90,7 @@ def test_two_threads_generate_with_one_model_at_once(cache):
     """Two threads' calls meet at every streamed token; compiled (their decoder layers compile
     regions while they run: `regions.py`), a third thread's plain generate() runs the same layers
     meanwhile, eager, with its own result; on a
-    hybrid (Gated DeltaNet), nor to the recurrence rules our calls wrap (`_compat.recording_states`)."""
+    hybrid (Gated DeltaNet), nor to the recurrence rules our calls wrap (`recurrent.recording_states`)."""
     model = tiny_stateful("qwen3_5_text", vocab=VOCAB) if cache == "hybrid" else build("llama", 2, seed=0)
     draft = noisy_copy(model, 0.3)
     hf_specdec.enable(model)

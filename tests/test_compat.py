@@ -8,6 +8,7 @@ import transformers
 
 import hf_specdec
 from hf_specdec import _compat
+from hf_specdec._compat import kv_cache
 from hf_specdec.costmodel import profile
 from hf_specdec.testing import build, noisy_copy, prompts
 from helpers import assert_same
@@ -55,18 +56,18 @@ def test_cache_kwarg_follows_the_models_forward_signature():
             return cache
 
     sentinel = object()
-    assert _compat.cache_kwargs(OldStyle(), sentinel) == {"past_key_values": sentinel}
-    assert _compat.cache_kwargs(NewStyle(), sentinel) == {"cache": sentinel}
+    assert kv_cache.cache_kwargs(OldStyle(), sentinel) == {"past_key_values": sentinel}
+    assert kv_cache.cache_kwargs(NewStyle(), sentinel) == {"cache": sentinel}
     model = build("llama", 1)
-    name, = _compat.cache_kwargs(model, sentinel)
+    name, = kv_cache.cache_kwargs(model, sentinel)
     assert name in inspect.signature(type(model).forward).parameters
 
 
 def test_cache_from_model_kwargs_reads_either_name():
     sentinel = object()
-    assert _compat.cache_from_model_kwargs({"cache": sentinel}) is sentinel
-    assert _compat.cache_from_model_kwargs({"past_key_values": sentinel}) is sentinel
-    assert _compat.cache_from_model_kwargs({"attention_mask": None}) is None
+    assert kv_cache.cache_from_model_kwargs({"cache": sentinel}) is sentinel
+    assert kv_cache.cache_from_model_kwargs({"past_key_values": sentinel}) is sentinel
+    assert kv_cache.cache_from_model_kwargs({"attention_mask": None}) is None
 
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.22.0", "6.0.0"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec import _compat
+from hf_specdec._compat import kv_cache, recurrent
 from hf_specdec.testing import noisy_copy, prompts
 from helpers import spec
 from test_sampling import TV_BOUND, exact_distribution
@@ -34,7 +34,7 @@ def test_every_stateful_type_runs_identical_to_plain_or_is_refused_naming_its_la
         target = tiny_stateful(model_type, vocab=VOCAB)
         if target is None:
             continue
-        reason = _compat.unsupported_layers(target)
+        reason = kv_cache.unsupported_layers(target)
         ids, mask = prompts(3, seed=4, min_len=3, max_len=9, vocab=VOCAB)
         if reason:
             with pytest.raises(ValueError, match=r"the target \(\w+\) has .+ layers"):
@@ -51,7 +51,7 @@ def test_every_stateful_type_runs_identical_to_plain_or_is_refused_naming_its_la
             assert len(steps) >= 3 and all(any(rejected[row::rows]) for row in range(rows)), (model_type, rows)
             out, _ = _runs(target, [hf_specdec.PromptLookupDrafter()], ids[-rows:], mask[-rows:], "fixed:4")
             assert torch.equal(out, plain), (model_type, rows, "lookup")
-        ran[model_type] = sorted(_compat.state_kinds(target))
+        ran[model_type] = sorted(recurrent.state_kinds(target))
     logger.info("stateful types run: %s; refused: %s", ran, refused)
     assert {"qwen3_5_text", "nemotron_h", "lfm2"} <= set(ran), ran     # Gated DeltaNet, Mamba-2, convolution
 
@@ -108,7 +108,7 @@ def test_sampling_from_a_hybrid_target_keeps_its_distribution(hybrid):
 def test_negative_control_states_that_do_not_step_back_are_caught(hybrid, monkeypatch):
     """The same test with a rollback that keeps each row's states after its rejected draft."""
     target, draft, prompt, exact = hybrid
-    monkeypatch.setattr(_compat.StateLayer, "step_back", lambda self, tokens: setattr(self, "region", []))
+    monkeypatch.setattr(recurrent.StateLayer, "step_back", lambda self, tokens: setattr(self, "region", []))
     tv = 0.5 * (_sampled(target, draft, prompt, seed=1) - exact).abs().sum()
     assert tv > 3 * TV_BOUND, f"states that never step back went unnoticed (TV {tv:.4f})"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _compat
+from .._compat import gemma4_assistant
 from .base import Drafter, LookupDrafter, Prediction, Proposal
 from .datastore import DatastoreDrafter
 from .hierarchical import HierarchicalDrafter, LevelStats, chain
@@ -31,6 +31,6 @@ def as_drafter(obj, index: int = 0, where: str | None = None) -> Drafter:
         raise TypeError(f"{where} must be one Transformers causal LM or hf_specdec Drafter, got {type(obj).__name__}")
     if obj.config.is_encoder_decoder:
         raise TypeError(f"{where} is an encoder-decoder model; drafters must be decoder-only")
-    if _compat.reads_target_states(obj):
+    if gemma4_assistant.reads_target_states(obj):
         return TargetStatesDrafter(obj)
     return ModelDrafter(obj)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _compat
+from .._compat import recurrent
 from ..policies import FixedLength, LengthPolicy, StepContext
 from ..rows import RowInts
 from ..sequences import SequenceBatch
@@ -63,7 +63,7 @@ class HierarchicalDrafter(Drafter):
             if isinstance(level, TargetStatesDrafter):
                 raise ValueError(f"HierarchicalDrafter({where}) is a {type(level.model).__name__}, which drafts from "
                                  "the target's own states, not an intermediate's: pass it in assistant_models itself")
-            hybrid = next((m for m in level.models() if _compat.state_kinds(m)), None)
+            hybrid = next((m for m in level.models() if recurrent.state_kinds(m)), None)
             if hybrid is not None:     # a level forgets tokens past a step's (`CachedModel.truncate`)
                 raise ValueError(f"HierarchicalDrafter({where}) is a {type(hybrid).__name__}, whose recurrent states "
                                  "step back within a step only: pass it in assistant_models itself")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _compat
+from .._compat import gemma4_assistant, modeling
 from ..cached_model import CachedModel, window_masks
 from ..rows import RowInts
 from ..sequences import SequenceBatch
@@ -28,7 +28,7 @@ class TargetStatesDrafter(Drafter):
     """A Gemma 4 assistant as a drafter; the loop hands it its target (`follow`)."""
 
     def __init__(self, model: torch.nn.Module, name: str | None = None):
-        if not _compat.reads_target_states(model):
+        if not gemma4_assistant.reads_target_states(model):
             raise TypeError(f"TargetStatesDrafter takes a Gemma 4 assistant, got {type(model).__name__}")
         self.model = model
         self.name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
@@ -40,10 +40,10 @@ class TargetStatesDrafter(Drafter):
         self.target = target
         target.keeps_hidden = True
         target.trims_window = False      # the assistant reads every slot of the target's layers
-        self.sources = _compat.kv_sharing_sources(target.model)
+        self.sources = gemma4_assistant.kv_sharing_sources(target.model)
         # a sliding layer attends the last window + 1 tokens before the row's last token (whose own
         # K/V the target has not computed), as Transformers' flipped bidirectional window does
-        window = _compat.sliding_window(self.model) or _compat.sliding_window(target.model)
+        window = modeling.sliding_window(self.model) or modeling.sliding_window(target.model)
         self.window = window + 2 if window else None
 
     def begin(self, batch, sampler):
@@ -69,7 +69,7 @@ class TargetStatesDrafter(Drafter):
             """Feed drafts [n]: the logits of the next position [n, 1, vocab]."""
             nonlocal hidden
             inputs = torch.cat([embed(token.to(device)[:, None]), hidden.to(device)], dim=-1)
-            logits, hidden = _compat.assistant_step(self.model, inputs, masks, positions, shared_kv)
+            logits, hidden = gemma4_assistant.assistant_step(self.model, inputs, masks, positions, shared_kv)
             self.forward_count += 1
             return logits.float().to(batch.tokens.device)
 
