@@ -41,19 +41,24 @@ class ForwardClock:
         return base * (1 + self.per_token * (tokens - 1))
 
     def install(self, monkeypatch) -> None:
-        from hf_specdec import cached_model, continuous_batching, timing
-        forward = cached_model.CachedModel.forward
-        packed = continuous_batching.SpecBatchProcessor._verify
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+        from hf_specdec import cached_model, timing
+        from hf_specdec._compat import cb
+        forward, plain_step, speculating_step = cached_model.CachedModel.forward, \
+            ContinuousBatchProcessor._generation_step, cb.forward
 
         def timed(runner, tokens, real, counts=None, *, keep):
             self.time += self.cost(runner.model, tokens.numel())
             return forward(runner, tokens, real, counts, keep=keep)
 
-        def timed_packed(processor, model):        # continuous batching's forward of every scheduled token
+        def packed_cost(processor, model):   # continuous batching's forward of every scheduled token
             self.time += self.cost(model, processor.inputs_and_outputs.num_q_tokens)
-            return packed(processor, model)
         monkeypatch.setattr(cached_model.CachedModel, "forward", timed)
-        monkeypatch.setattr(continuous_batching.SpecBatchProcessor, "_verify", timed_packed)
+        monkeypatch.setattr(ContinuousBatchProcessor, "_generation_step",
+                            lambda processor, model: (packed_cost(processor, model), plain_step(processor, model))[1])
+        monkeypatch.setattr(cb, "forward", lambda processor, model, rows, pick:
+                            (packed_cost(processor, model), speculating_step(processor, model, rows, pick))[1])
         monkeypatch.setattr(timing, "now", self.now)
 
 

@@ -190,8 +190,9 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
     config, cb = generation(max_new_tokens=16), batching()
     expected = plain(model, PROMPTS, config, cb)
-    plain_steps, original = [], ContinuousBatchProcessor.update_batch
-    monkeypatch.setattr(ContinuousBatchProcessor, "update_batch", lambda self: (plain_steps.append(1), original(self))[1])
+    plain_steps, original = [], ContinuousBatchProcessor._generation_step
+    monkeypatch.setattr(ContinuousBatchProcessor, "_generation_step",
+                        lambda self, model: (plain_steps.append(1), original(self, model))[1])
     for ks in (lambda step: 0, lambda step: step % 3):
         length = Scripted(ks)
         plain_steps.clear()
@@ -200,7 +201,7 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
         assert got == expected
         assert all(1 <= c.batch_size <= len(PROMPTS) for c in length.contexts)
         assert max(c.batch_size for c in length.contexts) == len(PROMPTS)       # all decode together
-        assert len(plain_steps) == counts.steps - counts.drafting_steps   # Transformers' own update, when none drafts
+        assert len(plain_steps) == counts.steps - counts.drafting_steps   # Transformers' own step, when none drafts
         assert bool(counts.drafting_steps) == (ks(1) != 0 or ks(2) != 0)
 
 
@@ -247,14 +248,14 @@ def test_eos_inside_accepted_drafts_and_max_new_tokens(model, monkeypatch):
     """An EOS among a step's accepted drafts ends the request there (the tokens accepted after it
     dropped), and max_new_tokens cuts the drafts: plain output. The oracle drafts the run without
     EOS, so the drafts run past the EOS position; the test counts the steps that accept one."""
-    from hf_specdec.continuous_batching import SpecBatchProcessor
+    from hf_specdec.batch_processor import SpecBatchProcessor
     free = plain(model, PROMPTS, generation(), batching())
     eos = free["req_2"][5]                       # a token some requests emit mid-way
     inside, accept = [], SpecBatchProcessor._accept
 
     def spy(processor, scores, output_ids):
         accept(processor, scores, output_ids)
-        inside.extend(rid for rid, n in processor._kept.items() if eos in processor._drafts[rid].tokens[:n])
+        inside.extend(rid for rid, v in processor._verdicts.items() if len(v.appended) < v.accepted)
     monkeypatch.setattr(SpecBatchProcessor, "_accept", spy)
     for config in (generation(eos_token_id=eos), generation(max_new_tokens=7)):
         expected = plain(model, PROMPTS, config, batching())
@@ -397,7 +398,7 @@ def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypat
     null = [0.5 * (torch.bincount(torch.multinomial(exact.flatten(), SAMPLES, replacement=True),
                                   minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
     if broken is not None:
-        monkeypatch.setattr("hf_specdec.continuous_batching.verify", broken)
+        monkeypatch.setattr("hf_specdec.batch_processor.verify", broken)
     source = {"lookup": Greedy(exact)} if drafter == "lookup" else \
         {"draft_model": build("llama", layers=1, seed=3, vocab=SAMPLE_VOCAB, hidden=32, init=0.6)}
     joint, counts = sampled_joint(target, speculation(2, **source), seed=1)

@@ -1,24 +1,137 @@
-"""Transformers' continuous batching (transformers/generation/continuous_batching/): the adapter through
-which hf_specdec.continuous_batching reads and writes its internals."""
+"""Transformers' continuous batching (transformers/generation/continuous_batching/, the same in 5.23
+and 5.24): the one seam hf_specdec's speculating batch processor composes on. Every read or write
+of its internals is a function here.
+
+Where Transformers' processor offers no seam for a step of speculation:
+- a forward's logits: `ContinuousBatchingIOs.get_model_kwargs` gives one logit row per request and
+  `ModelRunner._forward_process_and_sample` processes and samples them in one method. `forward`
+  runs `_generation_step`'s three calls with the logit rows widened and the pick replaced.
+- a request's query: the scheduler takes `tokens_to_process` as the query of a decoding request
+  (`set_query` puts the drafts there) and one logit row per request of the batch
+  (`limit_requests` leaves rows for the drafts).
+- a step's result: `update_batch` takes one token per request; the accepted drafts are appended
+  before it (`append_tokens`, which never finishes a request) and the request's position steps
+  back over the rejected ones (`keep_query_prefix`).
+"""
 from __future__ import annotations
 
-import contextlib
+import math
 from types import SimpleNamespace
 
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+from transformers.generation.continuous_batching.requests import RequestStatus
 
-# Transformers' continuous batching (generation/continuous_batching/, the same in 5.23 and 5.24): a
-# batch's small int32 inputs live in one bulk tensor of max_batch_tokens + 1 columns;
-# `logits_indices` is a view of its row 3 cut to max_requests_per_batch, and the rows from
-# `static_inputs` on hold the logits processors' per-row arguments.
-def logit_rows(ios) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ContinuousBatchingIOs' (logits indices [max_batch_tokens], processor arguments
-    [processors, max_batch_tokens]) at their full width: room for a logit row per query token."""
+
+# --- requests -----------------------------------------------------------------------------------
+def decoding_requests(processor) -> list:
+    """The request states of a batch processor that decode (their prefill done)."""
+    return [state for state in processor.scheduler.active_requests.values()
+            if state.status == RequestStatus.DECODING and state.generated_tokens]
+
+
+def request_id(state) -> str:
+    return state.request_id
+
+
+def request_tokens(state) -> tuple[list[int], list[int]]:
+    """A request's (prompt, generated tokens)."""
+    return state.initial_tokens, state.generated_tokens
+
+
+def room(state) -> float:
+    """How many tokens a request may still emit (inf: no limit)."""
+    return math.inf if state.max_new_tokens is None else state.max_new_tokens - state.generated_len()
+
+
+def set_query(state, drafts: list[int]) -> None:
+    """A decoding request's next query: its pending token, then `drafts`."""
+    state.tokens_to_process = [state.generated_tokens[-1], *drafts]
+
+
+def request_limit(processor) -> int:
+    """How many requests a step may hold: Transformers reserves a logit row for each."""
+    return processor.cb_config.max_requests_per_batch
+
+
+def limit_requests(processor, n: int) -> None:
+    """The next step schedules at most n requests."""
+    processor.scheduler.max_requests_per_batch = n
+
+
+def stops(state, token: int) -> bool:
+    """Whether `token` ends the request (one of its EOS tokens)."""
+    return token in state._eos_token_ids
+
+
+def append_tokens(state, tokens: list[int], logprobs: list[float] | None) -> None:
+    """Append tokens that do not end the request (`stops` is False for each, and the request has room
+    for one more after them), as Transformers appends a step's token."""
+    for j, token in enumerate(tokens):
+        finished = state.update_and_check_completion(token, None if logprobs is None else logprobs[j])
+        assert not finished, "append_tokens: a token that ends the request"
+
+
+# --- the scheduled batch ------------------------------------------------------------------------
+def scheduled(processor) -> list:
+    """The step's scheduled requests (`FutureRequestState`s), in the order of the packed forward."""
+    return processor.inputs_and_outputs.requests_in_batch
+
+
+def query(future) -> tuple[object, int]:
+    """A scheduled request's state and its query's length this step."""
+    return future.state, future.query_length
+
+
+def has_new_token(future) -> bool:
+    return future.has_new_token
+
+
+def whole_query(future) -> None:
+    """The step verifies the request's whole query (its pending token and the drafts a token budget
+    left): nothing of it is left to prefill, and its last position gives a token."""
+    future.state.remaining_prefill_tokens = []
+    future.has_new_token = True
+
+
+def keep_query_prefix(cache, future, kept: int) -> None:
+    """The request keeps the first `kept` tokens of its query in the paged cache: its position steps
+    back over the rest (the next forward writes their slots), and only blocks its kept tokens
+    complete are hashed for prefix sharing."""
+    state = future.state
+    if kept == future.query_length:
+        return
+    state.position_offset -= future.query_length
+    future.complete_blocks = cache.count_new_complete_blocks(state, kept)
+    state.position_offset += kept
+
+
+def widen_logits(processor, requests: list, rows: list[int]) -> None:
+    """The step's logit rows: positions `rows` of the packed forward, with the per-request processors'
+    arguments of `requests` (the request of each row)."""
+    ios = processor.inputs_and_outputs
+    bulk = ios._bulk_input_tensor           # row 3: logits_indices; from `static_inputs` on: the arguments
+    bulk[3, :len(rows)] = torch.tensor(rows, dtype=bulk.dtype)
+    processor.logit_processor.prepare_tensor_args([SimpleNamespace(state=f.state, has_new_token=True)
+                                                   for f in requests], bulk[ios.static_inputs:])
+
+
+def forward(processor, model, rows: int, pick) -> None:
+    """Transformers' `_generation_step` over `rows` logit rows (`widen_logits`), whose tokens come from
+    `pick(scores [1, rows, vocab] processed, output_ids)` in place of its sampler."""
+    ios, runner = processor.inputs_and_outputs, processor.model_runner
+    batch_data = ios.get_model_kwargs(use_padding=False)
     bulk = ios._bulk_input_tensor
-    return bulk[3], bulk[ios.static_inputs:]
+    batch_data["logits_indices"], batch_data["logits_processor_args"] = bulk[3, :rows], bulk[ios.static_inputs:, :rows]
+    runner._sample = pick
+    try:
+        runner.compute_batch(model, batch_data)
+    finally:
+        del runner._sample
+    ios.retrieve_device_outputs()
 
 
+# --- per-request sampling, for a drafter --------------------------------------------------------
 def request_arguments(processors, states: list) -> torch.Tensor | None:
     """The per-request processors' arguments [processors, n] (int32 storage) of requests `states`,
     as Transformers prepares them for a step; None without per-request processors."""
@@ -37,19 +150,7 @@ def process(processors, scores: torch.Tensor, arguments: torch.Tensor) -> torch.
     return scores
 
 
-@contextlib.contextmanager
-def sampling_replaced(runner, sample):
-    """Within it, `runner` (a `ModelRunner`) picks a forward's tokens with `sample(scores [1, m, vocab],
-    output_ids)` in place of its `_sample`: its `_forward_process_and_sample` runs the forward, the
-    logits processors and the sampling in one method, with no seam between the processed scores
-    and the pick, which a speculating step replaces with `verify`."""
-    runner._sample = sample
-    try:
-        yield
-    finally:
-        del runner._sample
-
-
+# --- the manager --------------------------------------------------------------------------------
 def capacity(cache) -> int:
     """The most tokens one request can hold in a paged cache of full-attention layers (the only
     kind speculation runs on): every block of the cache."""
@@ -61,8 +162,3 @@ def forget_handler(manager, request_id: str) -> None:
     registers it before `add_request`)."""
     with manager.output_router._lock:
         manager.output_router.result_handlers.pop(request_id, None)
-
-
-def forks_pending(scheduler) -> bool:
-    """A continuous batching scheduler has requests to fork (num_return_sequences > 1)."""
-    return bool(scheduler._requests_to_fork)
