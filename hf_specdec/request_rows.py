@@ -76,13 +76,15 @@ class RequestRows:
         self.proposed = False
 
     def propose(self, states: list, ks: list[int], continue_drafting: ContinueDrafting | None = None) -> list[Draft]:
-        """Each request's drafts (up to ks[i] for states[i]); `continue_drafting` as in `Drafter.propose`."""
-        self._follow(states)
+        """Each request's drafts (up to ks[i] for states[i]); `continue_drafting` as in `Drafter.propose`.
+        A step without drafts leaves the drafter as it is: it follows the requests (prefills those
+        that joined, catches up the others) when drafting resumes, so drafting off costs nothing."""
         k = max(ks, default=0)
         self.proposed = k > 0
         if not self.proposed:
             return [Draft(tokens=[], confidences=[]) for _ in states]
-        by_id = {s.request_id: s for s in states}
+        self._follow(states)
+        by_id = {cb.request_id(s): s for s in states}
         self.sampler.follow([by_id[self.owners[row]] for row in self.batch.active.host])
         self.batch.reserve(k + 1)                # the drafts are written at each row's end
         proposal = self.drafter.propose(self.batch, k, continue_drafting)
@@ -92,7 +94,7 @@ class RequestRows:
         position = {self.owners[row]: i for i, row in enumerate(self.batch.active.host)}
         out = []
         for state, k_i in zip(states, ks):
-            i = position[state.request_id]
+            i = position[cb.request_id(state)]
             probs = None if proposal.probs is None else proposal.probs[i]
             out.append(Draft(tokens=tokens[i], confidences=confidences[i], probs=probs).cut(min(k_i, counts[i])))
         return out
@@ -108,7 +110,7 @@ class RequestRows:
         """Make the rows the decoding requests, in any order: drop the others' rows, append each
         running request's new tokens, and add the requests that joined."""
         batch, device = self.batch, self.batch.tokens.device
-        wanted = {s.request_id: s for s in states}
+        wanted = {cb.request_id(s): cb.request_tokens(s) for s in states}
         active = batch.active.host
         keep = [i for i, row in enumerate(active) if self.owners[row] in wanted]
         if len(keep) < len(active):
@@ -118,18 +120,18 @@ class RequestRows:
             self.drafter.select_rows(kept)
             batch.active = batch.active[kept]
         running = {self.owners[row]: row for row in batch.active.host}
-        joining = [s for s in states if s.request_id not in running]
+        joining = [i for i in wanted if i not in running]
         rows = self._free_rows(len(joining))
-        for row, state in zip(rows, joining):
-            self.owners[row] = state.request_id
-        batch.reserve(0, max((1 + len(s.initial_tokens) + len(s.generated_tokens) for s in states), default=0))
+        for row, request in zip(rows, joining):
+            self.owners[row] = request
+        batch.reserve(0, max((1 + len(p) + len(g) for p, g in wanted.values()), default=0))
         lengths, running_rows = batch.lengths.host[:], set(running.values())
-        for state, row in [(wanted[i], r) for i, r in running.items()] + list(zip(joining, rows)):
-            prompt, length = len(state.initial_tokens), len(state.initial_tokens) + len(state.generated_tokens)
+        for request, row in list(running.items()) + list(zip(joining, rows)):
+            prompt, generated = wanted[request]
+            length = len(prompt) + len(generated)
             written = lengths[row] - 1 if row in running_rows else 0
             if length > written:       # a running row: its new tokens only (no copy of its whole sequence)
-                new = state.generated_tokens[written - prompt:] if written >= prompt else \
-                    (state.initial_tokens + state.generated_tokens)[written:]
+                new = generated[written - len(prompt):] if written >= len(prompt) else (prompt + generated)[written:]
                 batch.tokens[row, 1 + written:1 + length] = torch.tensor(new, device=device)
             lengths[row] = 1 + length
         batch.lengths = RowInts.of(lengths, device)

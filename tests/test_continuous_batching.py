@@ -193,16 +193,17 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
     plain_steps, original = [], ContinuousBatchProcessor._generation_step
     monkeypatch.setattr(ContinuousBatchProcessor, "_generation_step",
                         lambda self, model: (plain_steps.append(1), original(self, model))[1])
-    for ks in (lambda step: 0, lambda step: step % 3):
-        length = Scripted(ks)
+    drafters = [{"lookup": PromptLookupDrafter()}] * 2 + [{"draft_model": copy.deepcopy(model)}]
+    for ks, drafter in zip((lambda step: 0, lambda step: step % 3, lambda step: 3 * (step % 5 == 4)), drafters):
+        length = Scripted(ks)          # (a draft model then follows the requests only every 5th step)
         plain_steps.clear()
-        got, counts = run(model, PROMPTS, config, cb, Speculation(policy=SpecPolicy(length=length),
-                                                                 lookup=PromptLookupDrafter()))
+        got, counts = run(model, PROMPTS, config, cb, Speculation(policy=SpecPolicy(length=length), **drafter))
         assert got == expected
         assert all(1 <= c.batch_size <= len(PROMPTS) for c in length.contexts)
         assert max(c.batch_size for c in length.contexts) == len(PROMPTS)       # all decode together
         assert len(plain_steps) == counts.steps - counts.drafting_steps   # Transformers' own step, when none drafts
-        assert bool(counts.drafting_steps) == (ks(1) != 0 or ks(2) != 0)
+        assert bool(counts.drafting_steps) == (ks(1) != 0 or ks(2) != 0 or ks(4) != 0)
+    assert counts.accepted == counts.drafted > 0         # the draft model caught up every time
 
 
 def test_streaming_delivers_accepted_tokens_as_they_come(model):
