@@ -128,7 +128,8 @@ class SpecBatchProcessor:
         if decoding:
             ctx = StepContext(step=self.counts.steps, batch_size=len(decoding), num_drafters=1,
                               rows=list(range(len(decoding))), remaining=int(min(max(rooms), 1 << 30)),
-                              context_tokens=sum(len(p) + len(g) for p, g in map(cb.request_tokens, decoding)))
+                              context_tokens=sum(len(p) + len(g) for p, g in map(cb.request_tokens, decoding)),
+                              max_lag=self.drafter.lag(decoding))
             k = self.speculation.policy.choose(ctx).k
         budget, ks = limit - len(decoding), []
         for room in rooms:                          # each request within its room and the spare logit rows

@@ -203,6 +203,9 @@ def test_a_policy_sees_the_decoding_requests_and_k_0_is_transformers_own_step(mo
         assert max(c.batch_size for c in length.contexts) == len(PROMPTS)       # all decode together
         assert len(plain_steps) == counts.steps - counts.drafting_steps   # Transformers' own step, when none drafts
         assert bool(counts.drafting_steps) == (ks(1) != 0 or ks(2) != 0 or ks(4) != 0)
+        lags = [c.max_lag for c in length.contexts]
+        # the draft model's lag: whole prompts as requests join, the tokens of 4 plain steps after them
+        assert max(lags) >= max(map(len, PROMPTS)) and 4 in lags if "draft_model" in drafter else not any(lags)
     assert counts.accepted == counts.drafted > 0         # the draft model caught up every time
 
 

@@ -1,75 +1,20 @@
 """`python -m hf_specdec serve`: Transformers' OpenAI-compatible server with a speculating continuous
 batching, started as a user starts it and asked by the `openai` client, against `transformers serve`
 itself on the same model (SmolLM2-135M, float32; its first 4 layers as the draft)."""
-import copy
-import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai", reason="the [serve] extra: pip install '.[serve]'")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
+from bench_serve import Server, save_float32  # noqa: E402  (the servers as eval/bench_serve.py runs them)
 
 QUESTIONS = ["Write a Python function that adds two numbers.", "What is the capital of France?",
              "List three prime numbers.", "Explain recursion in one sentence."]
 MAX_TOKENS = 32
-
-
-def save_float32(model, tokenizer, layers: int, where) -> str:
-    """A plain (not GGUF-quantized) checkpoint of `model`'s first `layers` layers."""
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = layers
-    config.__dict__.pop("quantization_config", None)
-    copied = type(model)(config)
-    copied.load_state_dict(model.state_dict(), strict=False)     # (the layers past `layers` are left out)
-    copied.generation_config = model.generation_config
-    copied.save_pretrained(where)
-    tokenizer.save_pretrained(where)
-    return str(where)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server process on a free port; its output in `log`."""
-
-    def __init__(self, command: list[str], log):
-        self.port, self.log = free_port(), log
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        # a small paged cache: by default each server takes most of the free memory for it
-        options = ["--port", str(self.port), "--device", "cpu", "--cb-num-blocks", "64"]
-        self.process = subprocess.Popen([*command, *options], env=env,
-                                        stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        self.client = openai.OpenAI(base_url=f"http://localhost:{self.port}/v1", api_key="none", max_retries=0,
-                                    timeout=300)
-
-    def wait(self, seconds: float = 600) -> "Server":
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.output()
-            try:
-                with urllib.request.urlopen(f"http://localhost:{self.port}/health") as health:
-                    if health.status == 200:
-                        return self
-            except OSError:      # (not listening yet)
-                pass
-            time.sleep(1)
-        raise AssertionError(f"no server on port {self.port} after {seconds} s:\n{self.output()}")
-
-    def output(self) -> str:
-        return open(self.log).read()[-3000:]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
