@@ -153,7 +153,7 @@ class SpecBatchProcessor:
         """After Transformers prepared the batch: a logit row at each position of a speculating
         request (`cb.widen_logits`). None if no scheduled request drafts."""
         futures = cb.scheduled(self.processor)
-        if not any(cb.request_id(f.state) in self._drafts for f in futures):
+        if not any(cb.request_id(cb.query(f)[0]) in self._drafts for f in futures):
             return None
         rows, positions, requests, end = [], [], [], 0
         for future in futures:
@@ -208,7 +208,7 @@ class SpecBatchProcessor:
             if self.processor.return_logprobs else None
         self._verdicts, lasts = {}, []
         for i, (row, accepted, out) in enumerate(zip(rows, result.num_accepted.tolist(), emitted.tolist())):
-            state = row.future.state
+            state, _ = cb.query(row.future)
             # the last token: the first EOS among the accepted drafts, else the replacement / bonus
             last = next((j for j in range(accepted) if cb.stops(state, out[j])), accepted)
             lasts.append((out[last], None if logprobs is None else logprobs[i, last]))
@@ -231,7 +231,7 @@ class SpecBatchProcessor:
                     # the cache keeps the pending token and the appended drafts (the last token: not yet fed)
                     cb.keep_query_prefix(self.processor.cache, row.future, 1 + len(verdict.appended))
         scheduled = cb.scheduled(self.processor)
-        has_token = {cb.request_id(f.state) for f in scheduled if cb.has_new_token(f)}
+        has_token = {cb.request_id(cb.query(f)[0]) for f in scheduled if cb.has_new_token(f)}
         self._rows = None
         self.processor.update_batch()        # Transformers': the last token, EOS, limits, outputs, forks
         kept = {rid: v.accepted for rid, v in verdicts.items() if v.drafted}
