@@ -109,7 +109,9 @@ class SpecBatchProcessor:
         self._drafts, self._rows, self.drafter = {}, None, self._new_rows()
         self.processor.reset()
 
-    # plan + draft
+    # plan + draft (the generation loop's thread runs with autograd on unless its starter was in
+    # inference mode: Transformers' forward turns it off, and so must the drafter's)
+    @torch.no_grad()
     def prepare_next_batch(self) -> bool:
         self._propose()
         if not self.processor.prepare_next_batch():
@@ -220,6 +222,7 @@ class SpecBatchProcessor:
             output_ids[1, :len(rows)] = torch.stack([lp for _, lp in lasts]).view(torch.int32)
 
     # commit
+    @torch.no_grad()
     def update_batch(self) -> None:
         verdicts, self._verdicts = self._verdicts, {}
         if self._rows is not None:

@@ -154,6 +154,25 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
 
 
+def test_the_draft_model_runs_without_autograd_in_the_loop_s_thread(model):
+    """The generation loop's thread runs with autograd on (its starter was not in inference mode):
+    a draft forward there must not record a graph, or every step's activations stay alive through
+    the draft's cache (on the real pair, gigabytes a step)."""
+    draft = copy.deepcopy(model)
+    assert all(p.requires_grad for p in draft.parameters())
+    manager = SpecBatchingManager(model, generation(max_new_tokens=8), batching(),
+                                  speculation=speculation(3, draft_model=draft))
+    manager.start()
+    try:
+        manager.get_result(manager.add_request(PROMPTS[0], max_new_tokens=8), timeout=60)
+        drafter = manager.batch_processor.drafter.drafter
+        assert drafter.runner.forwards > 0
+        assert not drafter._known.requires_grad
+        assert not any(t.requires_grad for layer in drafter.runner.slots.cache.layers for t in (layer.keys, layer.values))
+    finally:
+        manager.stop(block=True, timeout=60)
+
+
 @pytest.mark.parametrize("policy", [None, "nightjar", "dsd", "adaspec"])
 def test_the_policies_by_name_draft_and_give_plain_output(model, policy, forward_clock):
     """"auto" by default with a draft model, Nightjar, DSD and AdaSpec by name, as generate_batch
