@@ -1,12 +1,14 @@
-"""`transformers serve` (transformers/cli/serving/): where `python -m hf_specdec serve` hooks in."""
+"""`transformers serve` (transformers/cli/serving/, the same in 5.23 and 5.24): where `python -m
+hf_specdec serve` hooks in. `ModelManager._load_model` loads each model the server serves (its
+device, dtype, quantization; GGUF weights named `repo:file.gguf`), `build_server` makes its FastAPI
+app, each handler's `_validate_request` checks a body first, and the CLI is the typer app
+`transformers.cli.transformers.app`.
+"""
 from __future__ import annotations
 
 import contextlib
 
 
-# `transformers serve` (transformers/cli/serving/, the same in 5.23 and 5.24): `ModelManager._load_model` loads each model the
-# server serves (its device, dtype, quantization; GGUF weights named `repo:file.gguf`), and the CLI is
-# the typer app `transformers.cli.transformers.app`.
 @contextlib.contextmanager
 def serve_loads(on_load):
     """Within it, each model `transformers serve` loads passes through `on_load(model, load) -> model`,
