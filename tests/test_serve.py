@@ -53,7 +53,7 @@ def test_greedy_answers_are_transformers_serve_s_streamed_or_not_and_concurrent(
     assert all(answers[ours][0])
     assert answers[ours][1] == answers[ours][0][:2]
     assert "[hf_specdec.serve] serving LlamaForCausalLM with speculation: draft" in ours.output()
-    assert "[hf_specdec.continuous_batching] speculation: " in ours.output()   # a step verified drafts
+    assert "[hf_specdec.batch_processor] speculation: " in ours.output()   # a step verified drafts
 
 
 def test_a_bad_request_gets_the_server_s_error_and_the_server_goes_on(servers):
