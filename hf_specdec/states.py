@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import kv_cache, recurrent
+from ._compat import recurrent
 
 
 @dataclass(frozen=True)

@@ -462,8 +462,7 @@ def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
     ours, even on an enabled model; its lookup method runs ours, with the same outputs."""
     import sys
     from pathlib import Path
-    from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
-                                                                            ContinuousBatchProcessor)
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
     import bench_continuous_batching as bench
     from methods import Method

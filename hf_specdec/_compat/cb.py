@@ -112,8 +112,7 @@ def widen_logits(processor, requests: list, rows: list[int]) -> None:
     ios = processor.inputs_and_outputs
     bulk = ios._bulk_input_tensor           # row 3: logits_indices; from `static_inputs` on: the arguments
     bulk[3, :len(rows)] = torch.tensor(rows, dtype=bulk.dtype)
-    processor.logit_processor.prepare_tensor_args([SimpleNamespace(state=f.state, has_new_token=True)
-                                                   for f in requests], bulk[ios.static_inputs:])
+    processor.logit_processor.prepare_tensor_args(_scheduled([f.state for f in requests]), bulk[ios.static_inputs:])
 
 
 def forward(processor, model, rows: int, pick) -> None:
@@ -138,8 +137,12 @@ def request_arguments(processors, states: list) -> torch.Tensor | None:
     if not processors.tensors_required:
         return None
     storage = torch.zeros(processors.tensors_required, len(states), dtype=torch.int32)
-    futures = [SimpleNamespace(state=state, has_new_token=True) for state in states]   # what it reads
-    return processors.prepare_tensor_args(futures, storage)
+    return processors.prepare_tensor_args(_scheduled(states), storage)
+
+
+def _scheduled(states: list) -> list:
+    """Requests as `prepare_tensor_args` reads them: each scheduled with a new token."""
+    return [SimpleNamespace(state=state, has_new_token=True) for state in states]
 
 
 def process(processors, scores: torch.Tensor, arguments: torch.Tensor) -> torch.Tensor:
