@@ -3,7 +3,9 @@
 `SpecBatchProcessor` holds Transformers' `ContinuousBatchProcessor` and adds the step protocol
 around its three calls, every read or write of its internals through `_compat/cb.py`:
   plan     the policy's k from the decoding requests (`SpecPolicy.choose`), cut per request to its
-           room and to the batch's spare logit rows (`_propose`);
+           room and to the batch's spare logit rows (`_propose`); none while a prompt waits to be
+           prefilled, so a joining request's first token comes as soon as in Transformers' own step
+           (the draft model prefills it a step behind);
   draft    the drafter proposes from the request's tokens through the contract `generate()`'s loop
            uses (`request_rows.py`), a draft model sampling with the request's own temperature /
            top-k / top-p (a confidence-weighing policy, AdaSpec, may stop a request's drafting early
@@ -17,7 +19,8 @@ around its three calls, every read or write of its internals through `_compat/cb
            (the next forward writes their slots; blocks are hashed only over kept tokens) and hands
            Transformers' own `update_batch` its last token (the replacement or bonus token, or an
            EOS among the drafts), which appends it, finishes requests, delivers outputs and forks;
-  observe  the policy gets the step's record (`_observe`).
+  observe  the policy gets the step's record (`_observe`), with the prompt tokens other requests
+           prefilled in the same forward (a race with a joining request): its time is no arm's cost.
 A step where no request drafts is Transformers' own, untouched. Everything else (errors, resets,
 offloading, warm-up) is Transformers' processor's.
 """
@@ -126,8 +129,10 @@ class SpecBatchProcessor:
         come out of the decoding requests' spare rows and the step schedules that many fewer requests."""
         limit, decoding = cb.request_limit(self.processor), cb.decoding_requests(self.processor)
         rooms = [cb.room(state) for state in decoding]
-        self._plan, k = None, 0
-        if decoding:
+        self._plan, ctx, k = None, None, 0
+        # a step that may prefill a prompt drafts nothing: the joining request's first token comes as
+        # soon as in Transformers' own step, and the draft model prefills it a step behind
+        if decoding and not cb.prompt_waiting(self.processor):
             ctx = StepContext(step=self.counts.steps, batch_size=len(decoding), num_drafters=1,
                               rows=list(range(len(decoding))), remaining=int(min(max(rooms), 1 << 30)),
                               context_tokens=sum(len(p) + len(g) for p, g in map(cb.request_tokens, decoding)),
@@ -137,7 +142,7 @@ class SpecBatchProcessor:
         for room in rooms:                          # each request within its room and the spare logit rows
             ks.append(int(max(0, min(k, room - 1, budget))))
             budget -= ks[-1]
-        if decoding:
+        if ctx is not None:
             self._plan = (ctx, k, max(ks), decoding)
         start, policy = timing.now(), self.speculation.policy
         self._drafts = {}
@@ -235,6 +240,7 @@ class SpecBatchProcessor:
                     cb.keep_query_prefix(self.processor.cache, row.future, 1 + len(verdict.appended))
         scheduled = cb.scheduled(self.processor)
         has_token = {cb.request_id(cb.query(f)[0]) for f in scheduled if cb.has_new_token(f)}
+        queries = {cb.request_id(state): length for state, length in map(cb.query, scheduled)}
         self._rows = None
         self.processor.update_batch()        # Transformers': the last token, EOS, limits, outputs, forks
         kept = {rid: v.accepted for rid, v in verdicts.items() if v.drafted}
@@ -242,16 +248,19 @@ class SpecBatchProcessor:
                         accepted=sum(kept.values()), drafting_requests=len(kept))
         self.drafter.accepted(kept)
         emitted = {rid: len(verdicts[rid].appended) + 1 if rid in verdicts else 1 for rid in has_token}
-        self._observe({rid: v.drafted for rid, v in verdicts.items()}, kept, emitted)
+        self._observe({rid: v.drafted for rid, v in verdicts.items()}, kept, emitted, queries)
 
-    def _observe(self, verified: dict[str, int], kept: dict[str, int], emitted: dict[str, int]) -> None:
+    def _observe(self, verified: dict[str, int], kept: dict[str, int], emitted: dict[str, int],
+                 queries: dict[str, int]) -> None:
         """The policy learns from the step's record: per decoding request planned, drafts verified,
-        accepted and tokens emitted; the drafting and verification times."""
+        accepted and tokens emitted; the drafting and verification times; the prompt tokens that
+        other requests prefilled in the forward (`queries`: scheduled tokens per request)."""
         if self._plan is None:
             return
         ctx, decided_k, k, decoding = self._plan
-        ids = [cb.request_id(s) for s in decoding]
+        ids = [cb.request_id(s) for s in decoding]       # (a handful: a list's `in` is fine)
         record = StepRecord.of_step(ctx, k, decided_k, [verified.get(i, 0) for i in ids], [kept.get(i, 0) for i in ids],
                                     emitted=[emitted.get(i, 0) for i in ids], draft_s=self._draft_s,
-                                    verify_s=self._verify_s)
+                                    verify_s=self._verify_s,
+                                    prefill_tokens=sum(n for rid, n in queries.items() if rid not in ids))
         self.speculation.policy.observe(record)

@@ -33,17 +33,26 @@ class StepRecord:
     # a compiled forward of this step ran a shape for one of its first times (on a GPU: compiling or
     # recording a CUDA graph): its times are no steady cost, and policies learn none from them
     warmup: bool = False
+    # prompt tokens of other requests prefilled in the same forward (continuous batching): the
+    # step's time is theirs too
+    prefill_tokens: int = 0
 
     @classmethod
     def of_step(cls, ctx, k: int, decided_k: int, proposed: list[int], accepted: list[int],
-                emitted: list[int] | None = None, drafters: list[int] | None = None, **times) -> "StepRecord":
+                emitted: list[int] | None = None, drafters: list[int] | None = None, **measured) -> "StepRecord":
         """The record of the step planned from `ctx` (a StepContext): what every executor of a step
         (the loop, the simulator, a hierarchy's inner cycle, Transformers' assisted loop) observes.
-        emitted: accepted + 1 per row unless cut; drafters: drafter 0 for every row, -1 when k = 0."""
+        emitted: accepted + 1 per row unless cut; drafters: drafter 0 for every row, -1 when k = 0;
+        measured: the times and the other fields the executor measured."""
         return cls(batch_size=ctx.batch_size, drafters=drafters or [0 if k else -1] * ctx.batch_size, k=k,
                    decided_k=decided_k, proposed=proposed, accepted=accepted,
                    emitted=[a + 1 for a in accepted] if emitted is None else emitted,
-                   rows=list(ctx.rows), step=ctx.step, lag=ctx.max_lag, **{"draft_s": 0.0, "verify_s": 0.0, **times})
+                   rows=list(ctx.rows), step=ctx.step, lag=ctx.max_lag, **{"draft_s": 0.0, "verify_s": 0.0, **measured})
+
+    @property
+    def steady(self) -> bool:
+        """Its times are its arm's steady cost: no compile warm-up, no other request's prefill."""
+        return not self.warmup and not self.prefill_tokens
 
     @property
     def seconds(self) -> float:

@@ -68,22 +68,25 @@ class Oracle(LookupDrafter):
         raise AssertionError(f"a request's tokens left the plain output: {seq}")
 
 
-def run(model, prompts, generation_config, cb_config, speculation, cancel=None):
+def run(model, prompts, generation_config, cb_config, speculation, cancel=None, wave=None):
     """Our manager over `prompts` (the manager API, as `transformers serve` uses it): request id ->
-    tokens, and the processor's counts. Checks that every block went back to the pool."""
+    tokens, and the processor's counts. wave: add that many requests at a time, each wave once the
+    last finished (None: all at once). Checks that every block went back to the pool."""
     manager = SpecBatchingManager(model, generation_config, cb_config, speculation=speculation)
     manager.start()
     try:
-        ids = manager.add_requests(inputs=prompts, max_new_tokens=generation_config.max_new_tokens)
-        if cancel is not None:
-            manager.cancel_request(ids[cancel])
-        results = {}
-        while len(results) < len(ids) - (cancel is not None):
-            result = manager.get_result(timeout=60)
-            assert result is not None, "the generation loop stopped"
-            assert result.error is None, result.error
-            if result.is_finished():
-                results[result.request_id] = result.generated_tokens
+        results, wave = {}, wave or len(prompts)
+        for first in range(0, len(prompts), wave):
+            ids = manager.add_requests(inputs=prompts[first:first + wave], max_new_tokens=generation_config.max_new_tokens)
+            if cancel is not None:
+                manager.cancel_request(ids[cancel])
+            finished = len(results) + len(ids) - (cancel is not None)
+            while len(results) < finished:
+                result = manager.get_result(timeout=60)
+                assert result is not None, "the generation loop stopped"
+                assert result.error is None, result.error
+                if result.is_finished():
+                    results[result.request_id] = result.generated_tokens
         processor = manager.batch_processor
     finally:
         manager.stop(block=True, timeout=60)
@@ -141,7 +144,8 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     expected = plain(model, PROMPTS, config, cb)
     got, counts = run(model, PROMPTS, config, cb, speculation(4, draft_model=copy.deepcopy(model)))
     assert got == expected
-    assert counts.accepted == counts.drafted > len(PROMPTS) * 10
+    # (a budget of 8 tokens leaves a few drafts a step, once every prompt is prefilled)
+    assert counts.accepted == counts.drafted > len(PROMPTS) * (10 if max_batch_tokens > 8 else 5)
     draft = noisy_copy(model, 0.05)
     got, counts = run(model, PROMPTS, config, cb, speculation(4, draft_model=draft))
     assert got == expected
@@ -152,6 +156,30 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     finally:
         hf_specdec.disable(model)
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
+
+
+def test_a_forward_that_prefills_a_prompt_verifies_no_drafts(model, monkeypatch):
+    """Requests join while others decode (a token budget of 8 chunks their prompts): no forward
+    that prefills a prompt also verifies drafts, so a joining request's first token comes as soon
+    as in Transformers' own step (the draft model prefills it a step behind). Output: plain's."""
+    from hf_specdec._compat import cb as adapter
+    from hf_specdec.batch_processor import SpecBatchProcessor
+    config, cb = generation(max_new_tokens=20), batching(max_batch_tokens=8)
+    forwards, original = [], SpecBatchProcessor._generation_step
+
+    def spy(processor, target):
+        queries = [adapter.query(f) + (adapter.has_new_token(f),) for f in adapter.scheduled(processor.processor)]
+        prefills = any(not new or (n > 1 and adapter.request_id(state) not in processor._drafts)
+                       for state, n, new in queries)
+        forwards.append((prefills, processor._rows is not None))
+        original(processor, target)
+
+    monkeypatch.setattr(SpecBatchProcessor, "_generation_step", spy)
+    got, counts = run(model, PROMPTS, config, cb, speculation(4, draft_model=copy.deepcopy(model)))
+    assert got == plain(model, PROMPTS, config, cb)
+    assert sum(prefills for prefills, _ in forwards) >= len(PROMPTS)       # requests joined as others decoded
+    assert not any(prefills and drafts for prefills, drafts in forwards), forwards
+    assert counts.accepted == counts.drafted > 0
 
 
 def test_the_draft_model_runs_without_autograd_in_the_loop_s_thread(model):
@@ -385,10 +413,11 @@ class Greedy(LookupDrafter):
 
 
 def sampled_joint(model, speculation, seed):
-    """Frequencies of the first three new tokens [V, V, V] over SAMPLES requests of one prompt."""
+    """Frequencies of the first three new tokens [V, V, V] over SAMPLES requests of one prompt, in
+    waves that one step prefills (no request drafts while a prompt waits)."""
     config = generation(max_new_tokens=3, **SAMPLING)
-    results, counts = run(model, [SAMPLE_PROMPT] * SAMPLES, config,
-                          batching(max_batch_tokens=512, seed=seed), speculation)
+    results, counts = run(model, [SAMPLE_PROMPT] * SAMPLES, config, batching(max_batch_tokens=512, seed=seed),
+                          speculation, wave=64)
     frequencies = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, SAMPLE_VOCAB)
     for tokens in results.values():
         frequencies[tuple(tokens)] += 1

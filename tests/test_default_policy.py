@@ -143,3 +143,16 @@ def test_a_short_first_call_with_a_cheap_draft_drafts():
         run = Simulator(costs, MeasuredGoodput(), 0.9, max_batch=1, seed=seed, noise=0.1).call(170, [32])
         drafting.append(sum(s.k > 0 for s in run.steps) / len(run.steps))
     assert min(drafting) >= 0.3, drafting
+
+
+def test_a_step_shared_with_another_request_s_prefill_is_no_arm_s_cost():
+    """Continuous batching: a forward that also prefilled another request's prompt took that
+    prompt's time too; what its drafts tell of acceptance counts, its seconds do not."""
+    policy = MeasuredGoodput()
+    ctx = StepContext(1, 1, 1, [0], max_lag=1)
+    policy.observe(StepRecord.of_step(ctx, 0, 0, [0], [0], verify_s=1.0))
+    before = policy.acceptance
+    policy.observe(StepRecord.of_step(ctx, 4, 4, [4], [0], draft_s=0.4, verify_s=9.0, prefill_tokens=100))
+    policy.observe(StepRecord.of_step(ctx, 0, 0, [0], [0], verify_s=7.0, prefill_tokens=100))
+    assert policy.buckets[1].measured() == {0: 1.0}
+    assert policy.acceptance < before

@@ -30,6 +30,15 @@ def decoding_requests(processor) -> list:
             if state.status == RequestStatus.DECODING and state.generated_tokens]
 
 
+def prompt_waiting(processor) -> bool:
+    """Whether the scheduler holds a prompt still to prefill that it may schedule next: a request
+    mid-prefill, or a waiting one while new requests are admitted."""
+    scheduler = processor.scheduler
+    return any(state.status in (RequestStatus.PENDING, RequestStatus.PREFILLING)
+               for state in scheduler.active_requests.values()) or \
+        (bool(scheduler.waiting_requests) and not scheduler.block_new_requests)
+
+
 def request_id(state) -> str:
     return state.request_id
 

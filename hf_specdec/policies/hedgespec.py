@@ -134,7 +134,7 @@ class HedgeSpec(DrafterSelector):
         return out
 
     def _observe_costs(self, record: StepRecord) -> None:
-        if record.warmup:
+        if not record.steady:
             return
         if record.k:
             self.last_k = record.k

@@ -219,7 +219,7 @@ class MeasuredGoodput(LengthPolicy):
             self.rejected = d * self.rejected + sum(a < p for p, a in proposing)
             self.proposing = d * self.proposing + len(proposing)
             self.asked = d * self.asked + record.batch_size
-        if not sum(record.emitted) or record.warmup:
+        if not sum(record.emitted) or not record.steady:
             return
         costs = self._costs(record.batch_size)
         if record.k and record.lag > STEADY_LAG:     # caught a draft up (a call's first drafts too)

@@ -113,7 +113,7 @@ class Nightjar(LengthPolicy):
     def observe(self, record: StepRecord) -> None:
         tokens = sum(record.emitted)
         arm = record.decided_k if record.k and record.decided_k >= 0 else record.k
-        if record.step == 0 or record.warmup or not tokens or arm > self.max_len:
+        if record.step == 0 or not record.steady or not tokens or arm > self.max_len:
             return
         self._bandit(record.batch_size).record(arm, record.seconds, tokens)
 
