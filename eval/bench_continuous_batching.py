@@ -20,7 +20,8 @@ the manager API that `generate_batch` and `transformers serve` use. Methods, int
 Per method and concurrency: tokens/s (median of rounds) and its ratio to plain per round, time to
 first token and time per output token (p50 / p99 over requests, from Transformers' per-token
 timestamps), forwards per generated token, drafts accepted (and per request per drafting step),
-and requests identical to plain's (greedy; with --temperature T the requests sample at T).
+and requests identical to plain's (greedy: each other one re-scored at its first divergence, a near-tie
+of the target's logits or not, eval/identity.py; with --temperature T the requests sample at T).
 Writes <out>.json, .md and .png after each concurrency, stamped.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hf_specdec.request_rows import RequestSampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 from envs import ENVS, humaneval_texts  # noqa: E402
+import identity  # noqa: E402
 from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
 from methods import Method  # noqa: E402
 from report import figure, method_bars  # noqa: E402
@@ -147,12 +149,12 @@ def _eos(config: GenerationConfig) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
 
-def method_rows(runs: dict, ratios: dict, cell: str) -> dict:
-    """Per method (in `runs`): its `summary` against plain's outputs, tokens/s over the median
-    seconds and x plain (`ratios`: harness.speed's); logged."""
+def method_rows(runs: dict, ratios: dict, cell: str, rescore=None) -> dict:
+    """Per method (in `runs`): its `summary` against plain's outputs (`rescore`: as there), tokens/s
+    over the median seconds and x plain (`ratios`: harness.speed's); logged."""
     rows = {}
     for name, run in runs.items():
-        row = rows[name] = summary(run, runs["plain"]["results"])
+        row = rows[name] = summary(run, runs["plain"]["results"], rescore)
         row["tokens_per_s"], row["x_plain"] = row["tokens"] / ratios[name]["seconds"], ratios[name]
         logger.info("%s %s: %.2f tok/s, %.2fx plain, %d/%d identical", cell, name, row["tokens_per_s"],
                     row["x_plain"]["x"], row["identical"], row["requests"])
@@ -166,13 +168,18 @@ def percentiles(values: list[float]) -> dict | None:
     return {"p50": statistics.median(values), "p99": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]}
 
 
-def summary(run: dict, reference: dict) -> dict:
+def summary(run: dict, reference: dict, rescore=None) -> dict:
+    """rescore(request id, tokens, reference tokens): eval/identity.py's verdict on a request that
+    differs from plain's (greedy: identical, near_tie or other), counted as near_tie / other."""
     results = run["results"]
+    differ = [rid for rid, r in results.items() if r.tokens != reference[rid].tokens]
     row = {"tokens": sum(len(r.tokens) for r in results.values()),
            "ttft_s": percentiles([r.ttft_s for r in results.values() if r.ttft_s is not None]),
            "tpot_s": percentiles([r.tpot_s for r in results.values() if r.tpot_s is not None]),
-           "identical": sum(r.tokens == reference[rid].tokens for rid, r in results.items()),
-           "requests": len(results)}
+           "identical": len(results) - len(differ), "requests": len(results)}
+    if rescore is not None:
+        verdicts = [rescore(rid, results[rid].tokens, reference[rid].tokens)["verdict"] for rid in differ]
+        row.update(near_tie=verdicts.count("near_tie"), other=len(verdicts) - verdicts.count("near_tie"))
     if run["counts"] is not None:
         counts = run["counts"]
         row.update(forwards_per_token=counts.steps / row["tokens"], drafted=counts.drafted, accepted=counts.accepted,
@@ -192,7 +199,8 @@ def markdown(payload: dict) -> str:
              f"{args['max_batch_tokens']}, num_blocks={args['num_blocks']}) (Transformers' CPU defaults size a 10 GB "
              "cache and masks to match). fwd/token: forwards per generated token. accepted / drafted (per request per "
              "drafting step). draft:equality: the draft's argmax kept when it equals the target's sample (the rule "
-             "before the shared verify). identical: requests equal to plain's.",
+             "before the shared verify). identical: requests equal to plain's; (~n, ≠m): of the others, n first "
+             "differ at a near-tie of the target's logits (eval/identity.py), m otherwise.",
              ""]
     for cell in payload["cells"]:
         lines += [f"**concurrency {cell['concurrency']}**", "", *method_table(cell["methods"])]
@@ -212,8 +220,9 @@ def method_table(methods: dict, tpot_x_plain: bool = False) -> list[str]:
             if "drafted" in row else "-"
         fwd = f"{row['forwards_per_token']:.2f}" if "forwards_per_token" in row else "-"
         tpot_x = f" {plain_tpot['p50'] / row['tpot_s']['p50']:.2f} |" if tpot_x_plain else ""
+        rescored = f" (~{row['near_tie']}, ≠{row['other']})" if row.get("near_tie") or row.get("other") else ""
         lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {x['x']:.2f} [{x['x_min']:.2f}, {x['x_max']:.2f}] | "
-                     f"{latencies(row)} |{tpot_x} {fwd} | {spec} | {row['identical']}/{row['requests']} |")
+                     f"{latencies(row)} |{tpot_x} {fwd} | {spec} | {row['identical']}/{row['requests']}{rescored} |")
     return lines + [""]
 
 
@@ -233,6 +242,15 @@ def plot(payload: dict, path: Path, key: str = "concurrency", xlabel: str = "req
                     ylabel="tokens/s vs Transformers' plain continuous batching")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel(xlabel)
+
+
+def rescorer(model, prompts: list[list[int]], config: GenerationConfig):
+    """Greedy: a request that differs from plain's, re-scored at its first divergence on the
+    target (eval/identity.py; request id "r<i>": prompt i). Sampling: None."""
+    if config.do_sample:
+        return None
+    return lambda rid, tokens, reference: identity.compare_tokens(model, prompts[int(rid[1:])], reference, tokens,
+                                                                  config.eos_token_id)
 
 
 def workload(args):
@@ -286,7 +304,7 @@ def main(argv=None) -> None:
             seconds[method.name].append(runs[method.name]["seconds"])
         interleaved(methods, run, args.rounds)
         ratios = speed({name: values[1:] for name, values in seconds.items()}, "plain")    # round 0: a warm-up
-        rows = method_rows(runs, ratios, f"concurrency {concurrency}")
+        rows = method_rows(runs, ratios, f"concurrency {concurrency}", rescorer(model, prompts, config))
         logger.info("wrote %s", results.add({"concurrency": concurrency, "methods": rows}))
 
 

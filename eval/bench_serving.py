@@ -29,7 +29,7 @@ from pathlib import Path
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_continuous_batching import method_rows, method_table, plot, serve, workload  # noqa: E402
+from bench_continuous_batching import method_rows, method_table, plot, rescorer, serve, workload  # noqa: E402
 from harness import Results, arguments, interleaved, ints, parse, speed  # noqa: E402
 from methods import Method  # noqa: E402
 
@@ -53,7 +53,8 @@ def markdown(payload: dict) -> str:
              "ours, the draft model, policy auto; lookup:k: ours, prompt lookup. x plain: median [min, max] of "
              f"per-round ratios over {args['rounds']} rounds, after a warm-up of each method on one short request. TTFT / TPOT: p50 / p99 over requests (seconds). Both managers: ContinuousBatchingConfig("
              f"max_batch_tokens={args['max_batch_tokens']}, num_blocks={args['num_blocks']}). fwd/token: forwards per "
-             "generated token. identical: requests equal to plain's.", ""]
+             "generated token. identical: requests equal to plain's; (~n, ≠m): of the others, n first differ at a near-tie "
+             "of the target's logits (eval/identity.py), m otherwise.", ""]
     for cell in payload["cells"]:
         lines += [f"**{cell['rate']} requests/s** (last arrival at {cell['last_arrival_s']:.0f} s)", "",
                   *method_table(cell["methods"], tpot_x_plain=True)]
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
             seconds[method.name].append(runs[method.name]["seconds"])
         interleaved(methods, run, args.rounds, warmup=False)
         ratios = speed(seconds, "plain")
-        rows = method_rows(runs, ratios, f"rate {rate:g}")
+        rows = method_rows(runs, ratios, f"rate {rate:g}", rescorer(model, prompts, config))
         logger.info("wrote %s", results.add({"rate": rate, "last_arrival_s": arrivals[-1], "methods": rows}))
 
 

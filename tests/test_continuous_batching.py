@@ -513,8 +513,13 @@ def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
     assert {r: o.tokens for r, o in runs[0]["results"].items()} == \
         {r: o.tokens for r, o in runs[1]["results"].items()} == {r: o.tokens for r, o in arrivals["results"].items()} \
         == {r: o.tokens for r, o in ours["results"].items()}
-    row = bench.summary(runs[1], runs[0]["results"])
-    assert row["identical"] == len(PROMPTS) and row["drafted"] > 0
+    rescore = bench.rescorer(model, PROMPTS, generation())
+    row = bench.summary(runs[1], runs[0]["results"], rescore)
+    assert row["identical"] == len(PROMPTS) and row["drafted"] > 0 and row["near_tie"] == row["other"] == 0
+    changed = runs[1]["results"]["r2"]               # a request whose tokens changed is re-scored: a float32
+    changed.tokens[3] = (changed.tokens[3] + 1) % VOCAB   # target has no near-tie there
+    row = bench.summary(runs[1], runs[0]["results"], rescore)
+    assert (row["identical"], row["near_tie"], row["other"]) == (len(PROMPTS) - 1, 0, 1)
 
 
 def test_blocks_are_hashed_only_over_tokens_in_the_cache(model, monkeypatch):
