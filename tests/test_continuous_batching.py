@@ -182,6 +182,26 @@ def test_a_forward_that_prefills_a_prompt_verifies_no_drafts(model, monkeypatch)
     assert counts.accepted == counts.drafted > 0
 
 
+def test_a_prompt_the_cache_cannot_take_yet_does_not_stop_drafting(model, monkeypatch):
+    """A cache too small for every request: those it holds decode, drafting, while the others wait
+    for blocks (Transformers' scheduler admits no prompt while the cache's free share is below its
+    safety margin). Output: plain's."""
+    from hf_specdec.batch_processor import SpecBatchProcessor
+    config, cb = generation(max_new_tokens=24), batching(num_blocks=16)
+    waiting_drafted, original = [], SpecBatchProcessor._propose
+
+    def spy(processor):
+        scheduler = processor.scheduler        # (a request it had to offload blocks new ones: not this case)
+        waiting = bool(scheduler.waiting_requests) and not scheduler.block_new_requests
+        original(processor)
+        waiting_drafted.append(waiting and bool(processor._drafts))
+
+    monkeypatch.setattr(SpecBatchProcessor, "_propose", spy)
+    got, counts = run(model, PROMPTS, config, cb, speculation(3, draft_model=copy.deepcopy(model)))
+    assert got == plain(model, PROMPTS, config, cb)
+    assert any(waiting_drafted), waiting_drafted
+
+
 def test_the_draft_model_runs_without_autograd_in_the_loop_s_thread(model):
     """The generation loop's thread runs with autograd on (its starter was not in inference mode):
     a draft forward there must not record a graph, or every step's activations stay alive through

@@ -32,11 +32,13 @@ def decoding_requests(processor) -> list:
 
 def prompt_waiting(processor) -> bool:
     """Whether the scheduler holds a prompt still to prefill that it may schedule next: a request
-    mid-prefill, or a waiting one while new requests are admitted."""
+    mid-prefill, or a waiting one while new requests are admitted and the cache is above the
+    scheduler's safety margin (below it, decoding requests have the cache to themselves)."""
     scheduler = processor.scheduler
-    return any(state.status in (RequestStatus.PENDING, RequestStatus.PREFILLING)
-               for state in scheduler.active_requests.values()) or \
-        (bool(scheduler.waiting_requests) and not scheduler.block_new_requests)
+    if any(state.status in (RequestStatus.PENDING, RequestStatus.PREFILLING) for state in scheduler.active_requests.values()):
+        return True
+    return bool(scheduler.waiting_requests) and not scheduler.block_new_requests and \
+        processor.cache.compute_free_capacity() >= scheduler.safety_margin
 
 
 def request_id(state) -> str:
