@@ -129,20 +129,23 @@ class SpecBatchProcessor:
         come out of the decoding requests' spare rows and the step schedules that many fewer requests."""
         limit, decoding = cb.request_limit(self.processor), cb.decoding_requests(self.processor)
         rooms = [cb.room(state) for state in decoding]
-        self._plan, ctx, k = None, None, 0
-        # a step that may prefill a prompt drafts nothing: the joining request's first token comes as
-        # soon as in Transformers' own step, and the draft model prefills it a step behind
-        if decoding and not cb.prompt_waiting(self.processor):
+        self._plan, k = None, 0
+        if decoding:
+            lags = self.drafter.lags(decoding)
             ctx = StepContext(step=self.counts.steps, batch_size=len(decoding), num_drafters=1,
                               rows=list(range(len(decoding))), remaining=int(min(max(rooms), 1 << 30)),
                               context_tokens=sum(len(p) + len(g) for p, g in map(cb.request_tokens, decoding)),
-                              max_lag=self.drafter.lag(decoding))
-            k = self.speculation.policy.choose(ctx).k
+                              max_lag=max(lags, default=0), lag_tokens=sum(lags))
+            # a step that may prefill a prompt drafts nothing: the joining request's first token comes
+            # as soon as in Transformers' own step, and the draft model prefills it a step behind (the
+            # policy still observes the step: what a prompt token costs the target)
+            if not cb.prompt_waiting(self.processor):
+                k = self.speculation.policy.choose(ctx).k
         budget, ks = limit - len(decoding), []
         for room in rooms:                          # each request within its room and the spare logit rows
             ks.append(int(max(0, min(k, room - 1, budget))))
             budget -= ks[-1]
-        if ctx is not None:
+        if decoding:
             self._plan = (ctx, k, max(ks), decoding)
         start, policy = timing.now(), self.speculation.policy
         self._drafts = {}

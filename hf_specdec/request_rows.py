@@ -99,21 +99,21 @@ class RequestRows:
             out.append(Draft(tokens=tokens[i], confidences=confidences[i], probs=probs).cut(min(k_i, counts[i])))
         return out
 
-    def lag(self, states: list) -> int:
-        """The most tokens a request's row must feed before it drafts (`StepContext.max_lag`): a
-        joining request its whole sequence, a running one its lag when the drafter last followed it
-        and what it emitted since; 0 for a drafter that never lags."""
+    def lags(self, states: list) -> list[int]:
+        """The tokens each request's row must feed before it drafts (`StepContext.max_lag`,
+        `lag_tokens`): a joining request its whole sequence, a running one its lag when the drafter
+        last followed it and what it emitted since; none for a drafter that never lags."""
         lags = self.drafter.lag(self.batch)
         if lags is None:
-            return 0
+            return []
         then = {self.owners[row]: (self.batch.lengths.host[row], lag) for row, lag in zip(self.batch.active.host,
                                                                                           lags.tolist())}
-        most = 0
+        out = []
         for state in states:
             prompt, generated = cb.request_tokens(state)
             length, lag = then.get(cb.request_id(state), (1, 0))     # (a row's first token: a masked pad)
-            most = max(most, 1 + len(prompt) + len(generated) - length + lag)
-        return most
+            out.append(1 + len(prompt) + len(generated) - length + lag)
+        return out
 
     def accepted(self, counts: dict[str, int]) -> None:
         """counts: drafts each request kept (requests not in it: none)."""

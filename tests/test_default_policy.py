@@ -156,3 +156,25 @@ def test_a_step_shared_with_another_request_s_prefill_is_no_arm_s_cost():
     policy.observe(StepRecord.of_step(ctx, 0, 0, [0], [0], verify_s=7.0, prefill_tokens=100))
     assert policy.buckets[1].measured() == {0: 1.0}
     assert policy.acceptance < before
+
+
+def test_a_catch_up_of_many_rows_costs_at_least_their_tokens_as_a_prefill():
+    """Catch-ups measured one row at a time price a 16-row catch-up from the plain steps' scaling;
+    where forwards are compute-bound it costs its tokens: no less than the target's measured prefill
+    per prompt token, times a draft forward's share of a plain step (the real pair in continuous
+    batching: priced 2 s, it took 13 s)."""
+    policy = MeasuredGoodput()
+    one, sixteen = StepContext(1, 1, 1, [0], max_lag=1), StepContext(1, 16, 1, list(range(16)), max_lag=1)
+    for ctx, plain in ((one, 1.0), (sixteen, 2.0)):
+        policy.observe(StepRecord.of_step(ctx, 0, 0, [0] * ctx.batch_size, [0] * ctx.batch_size, verify_s=plain))
+        policy.observe(StepRecord.of_step(ctx, 2, 2, [2] * ctx.batch_size, [2] * ctx.batch_size, draft_s=0.5,
+                                          verify_s=plain))
+    caught = StepContext(2, 1, 1, [0], max_lag=100)           # one row catching up 100 tokens: 3 s more
+    policy.observe(StepRecord.of_step(caught, 2, 2, [2], [2], draft_s=3.5, verify_s=1.0))
+    policy.observe(StepRecord.of_step(one, 2, 2, [2], [2], draft_s=0.5, verify_s=1.0))
+    joining = StepContext(3, 16, 1, list(range(16)), max_lag=100, lag_tokens=1600)
+    assert policy._catch_up(joining) == pytest.approx(2 * 3.0)       # per lagged token, in plain steps
+    policy.observe(StepRecord.of_step(sixteen, 0, 0, [0] * 16, [0] * 16, verify_s=20.0, prefill_tokens=1000))
+    assert policy.prefill_per_token == pytest.approx(0.02)
+    # 0.02 s a prompt token, a draft forward 0.25 of a plain step, 1600 tokens
+    assert policy._catch_up(joining) == pytest.approx(0.02 * 0.25 * 1600)

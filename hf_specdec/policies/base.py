@@ -36,6 +36,7 @@ class StepContext:
     context_tokens: int = 0   # real tokens held by the active rows (prompt + output so far)
     max_lag: int = 0          # largest per-row lag of any model drafter (tokens it must catch up)
     remaining: int = 0        # most new tokens any active row may still emit (0: unknown)
+    lag_tokens: int = 0       # tokens the drafters must catch up over all rows (0: max_lag per row)
 
 
 @dataclass(kw_only=True)

@@ -31,8 +31,10 @@ Exploration, cheap and bounded:
     arm's cost: their drafting time's excess over a steady step's, per lagged token and in plain
     steps of their bucket, is the switching cost (a bucket without one borrows the nearest
     bucket's: a batched forward over B rows costs what the plain steps say, not B times one row's,
-    which on a GPU is nearly one row's; before any was measured: the target's prefill per prompt
-    token, scaled by a draft forward's share of a plain step), and switching on from plain must save
+    which on a GPU is nearly one row's; but never less than a prefill of the tokens it feeds, at
+    the target's measured cost per prompt token scaled by a draft forward's share of a plain step,
+    which is what many rows' catch-up costs where forwards are compute-bound, a CPU's; before
+    any was measured, that prefill alone), and switching on from plain must save
     more over the tokens left (StepContext.remaining) than it costs (Nightjar's C_switch).
 Measured against Nightjar and fixed lengths in docs/benchmarks.md ("The default policy").
 """
@@ -118,7 +120,9 @@ class MeasuredGoodput(LengthPolicy):
         self.accepted, self.rejected = prior_acceptance * prior_weight, (1 - prior_acceptance) * prior_weight
         self.proposing, self.asked = 1.0, 1.0
         self.buckets: dict[int, _BucketCosts] = {}
-        self.prefill_per_token = 0.0     # seconds per prompt token of the last call's step 0
+        # seconds per prompt token of the last call's step 0 (continuous batching: of the last
+        # forward that prefilled prompts)
+        self.prefill_per_token = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -195,14 +199,18 @@ class MeasuredGoodput(LengthPolicy):
     def _catch_up(self, ctx: StepContext) -> float:
         """Seconds a draft lagging ctx.max_lag tokens per row takes to catch up: as measured before
         per lagged token in plain steps, in this bucket or the nearest one, times this bucket's
-        plain step; else as the target's prefill took per prompt token, scaled by what a draft
-        forward costs of a plain step."""
+        plain step; but no less than a prefill of the tokens it feeds (ctx.lag_tokens; else max_lag
+        per row) as the target's prefill took per prompt token, scaled by what a draft forward costs
+        of a plain step. (Where forwards are compute-bound, a CPU's, a catch-up of many rows costs
+        their tokens, not one row's: measured at batch 1, it looked 16 times cheaper at batch 16.)"""
+        tokens = ctx.lag_tokens or ctx.max_lag * ctx.batch_size
+        as_prefill = self.prefill_per_token * self._draft_share() * tokens
         key = pow2_bucket(ctx.batch_size)
         for other in sorted(self.buckets, key=lambda b: abs(b.bit_length() - key.bit_length())):
             if self.buckets[other].catch_up_per_lag:
                 per_lag = statistics.median(self.buckets[other].catch_up_per_lag)
-                return per_lag * ctx.max_lag * self._costs(ctx.batch_size).measured()[0]
-        return self.prefill_per_token * self._draft_share() * ctx.max_lag * ctx.batch_size
+                return max(per_lag * ctx.max_lag * self._costs(ctx.batch_size).measured()[0], as_prefill)
+        return as_prefill
 
     def _draft_share(self) -> float:
         """A draft forward's seconds over a plain step's, in any bucket that measured both."""
@@ -219,6 +227,8 @@ class MeasuredGoodput(LengthPolicy):
             self.rejected = d * self.rejected + sum(a < p for p, a in proposing)
             self.proposing = d * self.proposing + len(proposing)
             self.asked = d * self.asked + record.batch_size
+        if record.prefill_tokens and not record.k:     # (continuous batching) a forward that prefilled prompts
+            self.prefill_per_token = record.seconds / record.prefill_tokens
         if not sum(record.emitted) or not record.steady:
             return
         costs = self._costs(record.batch_size)
