@@ -38,7 +38,6 @@ from .batch_processor import SpecBatchProcessor, SpecCounts
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .generate import check_spec_args, ensure_profile
 from .policies import SpecPolicy
-from .tiers import SPEC_TIERS
 
 logger = logging.getLogger(__name__)
 __all__ = ["RequestRefused", "Speculation", "SpecBatchingManager", "SpecBatchProcessor", "SpecCounts",
@@ -70,8 +69,7 @@ class Speculation:
     @property
     def max_len(self) -> int:
         """The policy's longest draft (sizes the logits reserve)."""
-        length = self.policy.length
-        return getattr(length, "max_len", None) or getattr(length, "k", None) or max(SPEC_TIERS)
+        return self.policy.max_len
 
 
 _PENDING: contextvars.ContextVar[Speculation | None] = contextvars.ContextVar("hf_specdec_cb", default=None)

@@ -36,6 +36,12 @@ class SpecCandidateGenerator(candidate_generators.CandidateGenerator):
         self.stats = SpecStats(drafter_names=names, policy=policy)
         self.step = 0
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a step drafts (Transformers 5.25 keeps that many steps of a recurrent
+        cache's states to roll back to)."""
+        return self.policy.max_len
+
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         length = input_ids.shape[1]
         ctx = StepContext(step=self.step, batch_size=1, num_drafters=len(self.children), rows=[0],

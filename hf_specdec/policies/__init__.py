@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..stats import StepRecord
+from ..tiers import SPEC_TIERS
 from .bandit import EXP3Spec, UCBSpec
 from .base import Decision, DrafterSelector, LengthPolicy, StepContext
 from .hedgespec import HedgeSpec
@@ -43,6 +44,13 @@ class SpecPolicy:
     def continue_drafting(self):
         """The length policy's per-draft-token hook (`LengthPolicy`), None: drafts run to k."""
         return self.length.continue_drafting
+
+    @property
+    def max_len(self) -> int:
+        """The longest draft a step may ask for: the length policy's bound, a fixed length's k, else
+        the longest tier (a growing schedule's current k)."""
+        length = self.length
+        return getattr(length, "max_len", None) or getattr(length, "k", None) or max(SPEC_TIERS)
 
     def trim(self, lengths: list[int], confidences: list[list[float]]) -> list[int]:
         """Drafts each row keeps for verification: a trimming length policy's `verify_lengths`
