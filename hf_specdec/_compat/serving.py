@@ -1,4 +1,4 @@
-"""`transformers serve` (transformers/cli/serving/; 5.23 to 5.25): where `python -m
+"""`transformers serve` (transformers/cli/serving/, the same in 5.23 and 5.24): where `python -m
 hf_specdec serve` hooks in. `ModelManager._load_model` loads each model the server serves (its
 device, dtype, quantization; GGUF weights named `repo:file.gguf`), `build_server` makes its FastAPI
 app, each handler's `_validate_request` checks a body first, and the CLI is the typer app
@@ -30,16 +30,11 @@ def serve_loads(on_load):
     """Within it, each model `transformers serve` loads passes through `on_load(model, load) -> model`,
     where `load(name)` loads another model as the server loads its own."""
     from transformers.cli.serving.model_manager import ModelManager
-    try:                                   # 5.23, 5.24: `_load_model` takes the GGUF file apart
-        from transformers.cli.serving.utils import split_model_id
-    except ImportError:                    # 5.25: it parses `repo[@revision][:file.gguf]` itself
-        split_model_id = None
+    from transformers.cli.serving.utils import split_model_id
     original = ModelManager._load_model
 
     def load_model(self, model_id_and_revision, *args, **kwargs):
         def load(name: str):
-            if split_model_id is None:
-                return original(self, name)
             repo, gguf_file = split_model_id(name)
             return original(self, self.process_model_name(repo), gguf_file=gguf_file)
         return on_load(original(self, model_id_and_revision, *args, **kwargs), load)
