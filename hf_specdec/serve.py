@@ -34,7 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, transformers_args: list[str]) -> None:
     """Serve until stopped; `transformers_args` go to `transformers serve`."""
-    serving.check_serve()
     refused = [flag for flag in ("--no-continuous-batching", "--compile", "--cb-use-cuda-graph")
                if flag in transformers_args]
     if refused:

@@ -11,8 +11,6 @@ import pytest
 openai = pytest.importorskip("openai", reason="the [serve] extra: pip install '.[serve]'")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "eval"))
 from bench_serve import Server, save_float32  # noqa: E402  (the servers as eval/bench_serve.py runs them)
-from hf_specdec import serve  # noqa: E402
-from hf_specdec._compat import serving  # noqa: E402
 
 QUESTIONS = ["Write a Python function that adds two numbers.", "What is the capital of France?",
              "List three prime numbers.", "Explain recursion in one sentence."]
@@ -21,10 +19,6 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def servers(smollm2, tmp_path_factory):
-    try:
-        serving.check_serve()
-    except RuntimeError as error:       # (a Transformers whose server it does not hook yet: the test below)
-        pytest.skip(str(error))
     model, tokenizer = smollm2
     where = tmp_path_factory.mktemp("serve")
     target = save_float32(model, tokenizer, model.config.num_hidden_layers, where / "target")
@@ -86,16 +80,3 @@ def test_an_over_long_prompt_or_no_messages_gets_a_400_and_the_server_goes_on(se
     assert chat(ours, model, QUESTIONS[1]) == chat(theirs, model, QUESTIONS[1])
     with urllib.request.urlopen(f"http://localhost:{ours.port}/health") as health:
         assert health.status == 200
-
-
-def test_a_transformers_server_it_cannot_hook_is_refused_before_any_work(monkeypatch):
-    """Transformers 5.25 loads each served model in a process of its own: `serve` says so and what
-    to install, before it starts anything."""
-    import argparse
-    monkeypatch.setattr(serving.transformers, "__version__", "5.25.0")
-    started = []
-    monkeypatch.setattr(serving, "transformers_cli", lambda argv: started.append(argv))
-    with pytest.raises(RuntimeError, match="transformers<5.25"):
-        serve.run(argparse.Namespace(model="m", draft="d", prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-                                     spec_policy=None), [])
-    assert not started

@@ -10,13 +10,14 @@
   cb                    continuous batching: the seam our speculating batch processor composes on
   serving               `transformers serve`
 
-Checked against transformers 5.23.0 and 5.24.0 (the test suite runs on both).
+Checked against transformers 5.23.0 and 5.24.0 (the test suite runs on both). 5.25 is refused: its
+compiled and hybrid paths and its server (each model loaded in a process of its own) fail this suite.
 """
 from __future__ import annotations
 
 import transformers
 
-SUPPORTED_TRANSFORMERS = ">=5.23,<6"
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
 
 
 def check_transformers_version(version: str) -> None:
@@ -25,7 +26,7 @@ def check_transformers_version(version: str) -> None:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
         return  # a source build with an unusual version string: let it through
-    if major != 5 or minor < 23:
+    if major != 5 or not 23 <= minor < 25:
         raise ImportError(f"hf_specdec supports transformers {SUPPORTED_TRANSFORMERS}, found {version}; "
                           f"pip install 'transformers{SUPPORTED_TRANSFORMERS}'")
 

@@ -8,22 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-import transformers
-
-# 5.25 loads each served model in a process of its own (`ModelLoader`, `EngineClient`), which these
-# hooks into the server's process do not reach
-HOOKED_SERVE = ">=5.23,<5.25"
-
-
-def check_serve() -> None:
-    """A clear error, before any work, where these hooks cannot reach `transformers serve`."""
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    if (major, minor) >= (5, 25):
-        raise RuntimeError(f"python -m hf_specdec serve hooks into transformers serve {HOOKED_SERVE}; transformers "
-                           f"{transformers.__version__} loads each model in a process of its own, which it does not "
-                           "reach yet: pip install 'transformers<5.25' to serve with speculation (generate(), "
-                           "generate_batch and init_continuous_batching speculate on this version)")
-
 
 @contextlib.contextmanager
 def serve_loads(on_load):
