@@ -261,9 +261,10 @@ class SpecBatchProcessor:
         if self._plan is None:
             return
         ctx, decided_k, k, decoding = self._plan
-        ids = [cb.request_id(s) for s in decoding]       # (a handful: a list's `in` is fine)
+        ids = [cb.request_id(s) for s in decoding]
+        prefill_tokens = sum(queries.values()) - sum(queries.get(i, 0) for i in ids)    # other requests' queries
         record = StepRecord.of_step(ctx, k, decided_k, [verified.get(i, 0) for i in ids], [kept.get(i, 0) for i in ids],
                                     emitted=[emitted.get(i, 0) for i in ids], draft_s=self._draft_s,
                                     verify_s=self._verify_s,
-                                    prefill_tokens=sum(n for rid, n in queries.items() if rid not in ids))
+                                    prefill_tokens=prefill_tokens)
         self.speculation.policy.observe(record)

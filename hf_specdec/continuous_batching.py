@@ -66,11 +66,6 @@ class Speculation:
     def device(self, model) -> torch.device:
         return modeling.execution_device(self.draft_model if self.draft_model is not None else model)
 
-    @property
-    def max_len(self) -> int:
-        """The policy's longest draft (sizes the logits reserve)."""
-        return self.policy.max_len
-
 
 _PENDING: contextvars.ContextVar[Speculation | None] = contextvars.ContextVar("hf_specdec_cb", default=None)
 
@@ -183,7 +178,7 @@ def _for_speculation(cb_config: ContinuousBatchingConfig | None, workload_hints,
     config.use_async_batching, config.use_cuda_graph = False, (False, False)
     if config.max_requests_per_batch is None and workload_hints is not None:
         # Transformers sizes its logits reserve to one row per request; a speculating one needs max_len + 1
-        config.max_requests_per_batch = min(1024, workload_hints.num_requests * (speculation.max_len + 1))
+        config.max_requests_per_batch = min(1024, workload_hints.num_requests * (speculation.policy.max_len + 1))
     return config
 
 
