@@ -12,8 +12,9 @@ or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 th
 bfloat16 (`hf_specdec.packed_linear`). A model's layers each read their own weights from memory,
 so each time is one call's share of a pass over `COPIES` copies of the weight (more than a
 last-level cache holds); the kernels and widths are timed in rounds, interleaved, the median kept.
-Reports milliseconds, GFLOPS and the cost relative to m = 1. Writes <out>.json, <out>.md, <out>.png,
-stamped.
+A kernel that cannot run on this CPU (`hf_specdec.kernels.unavailable`: oneDNN's bf16 packing needs
+AVX-512 BW/VL/DQ) is left out and named with its reason. Reports milliseconds, GFLOPS and the cost
+relative to m = 1. Writes <out>.json, <out>.md, <out>.png, stamped.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from harness import arguments  # eval/ is on sys.path when run as a script
 from report import figure, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_specdec.kernels import use_onednn_linears  # noqa: E402
+from hf_specdec.kernels import unavailable, use_onednn_linears  # noqa: E402
 from hf_specdec.packed_linear import use_packed_linears  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 6, 8, 16, 64, 256)
@@ -45,8 +46,14 @@ def time_pass(layers: list, x: torch.Tensor) -> float:
     return (time.perf_counter() - start) / len(layers)
 
 
-def kernels() -> list[tuple[str, list, torch.dtype]]:
-    """(kernel name, COPIES copies of the up-projection running on it, its input dtype)."""
+# each timed kernel -> hf_specdec.kernels' name for it (whose probe says whether it runs here)
+PROBED = {"float32, oneDNN": "onednn", "float32, oneDNN packed": "fp32-packed", "bfloat16": "bf16",
+          "bfloat16, oneDNN packed": "bf16-packed"}
+
+
+def kernels() -> tuple[list[tuple[str, list, torch.dtype]], dict]:
+    """([(kernel name, COPIES copies of the up-projection running on it, its input dtype)],
+    {kernel name: why it cannot run here})."""
     generator = torch.Generator().manual_seed(0)
     linears = []
     for _ in range(COPIES):
@@ -61,11 +68,13 @@ def kernels() -> list[tuple[str, list, torch.dtype]]:
             swap(layer)
             out.append(layer)
         return out
-    return [("float32", linears, torch.float32),
-            ("float32, oneDNN", swapped(torch.float32, use_onednn_linears), torch.float32),
-            ("float32, oneDNN packed", swapped(torch.float32, use_packed_linears), torch.float32),
-            ("bfloat16", [copy.deepcopy(linear).to(torch.bfloat16) for linear in linears], torch.bfloat16),
-            ("bfloat16, oneDNN packed", swapped(torch.bfloat16, use_packed_linears), torch.bfloat16)]
+    skipped = {name: unavailable(probed) for name, probed in PROBED.items() if unavailable(probed)}
+    built = [("float32", lambda: linears, torch.float32),
+             ("float32, oneDNN", lambda: swapped(torch.float32, use_onednn_linears), torch.float32),
+             ("float32, oneDNN packed", lambda: swapped(torch.float32, use_packed_linears), torch.float32),
+             ("bfloat16", lambda: [copy.deepcopy(linear).to(torch.bfloat16) for linear in linears], torch.bfloat16),
+             ("bfloat16, oneDNN packed", lambda: swapped(torch.bfloat16, use_packed_linears), torch.bfloat16)]
+    return [(name, build(), dtype) for name, build, dtype in built if name not in skipped], skipped
 
 
 def main(argv=None):
@@ -74,7 +83,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (each kernel and width once a round)")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    timed = kernels()
+    timed, skipped = kernels()
     inputs = {(m, dtype): torch.randn(m, IN_FEATURES, generator=torch.Generator().manual_seed(m)).to(dtype)
               for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
     seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
@@ -97,6 +106,7 @@ def main(argv=None):
     lines += [f"| {r['kernel']} | {r['rows']} | {r['ms']:.2f} | {r['gflops']:.1f} | {r['x_one_row']:.2f} |" for r in rows_out]
     lines += ["", "A verification of k drafts feeds m = k + 1 rows per sequence: where x m=1 grows like m, "
               "verifying costs as much as decoding the tokens one by one and speculation cannot pay."]
+    lines += [f"Not run on this CPU: {name} ({why})." for name, why in skipped.items()]
 
     def plot(path: Path):
         with figure(path) as ((ax,),):
@@ -110,7 +120,7 @@ def main(argv=None):
             ax.set_ylabel("time / time of one row")
             ax.legend()
     out = Path(args.out)
-    md = write_results(out.parent, out.name, {"args": vars(args), "rows": rows_out}, "\n".join(lines) + "\n", plot)
+    md = write_results(out.parent, out.name, {"args": vars(args), "rows": rows_out, "skipped": skipped}, "\n".join(lines) + "\n", plot)
     print(md.read_text())
 
 

@@ -26,8 +26,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kernels import (CpuKernels, ForwardTimer, cached_choice, load_arguments, rule_target, swap_linears,
-                      use_int8_linears, use_onednn_linears)
+from .kernels import (CpuKernels, ForwardTimer, Probe, cached_choice, cpu_bf16_matmul, load_arguments, rule_target,
+                      swap_linears, unavailable, use_int8_linears, use_onednn_linears)
 
 logger = logging.getLogger(__name__)
 
@@ -92,36 +92,42 @@ QWEN_PAIR = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")    # 
 SOURCES = ("auto", "hub", "pypi")
 
 
-def cpu_kernels(cpuinfo: str | None = None, make_timer=None, versions: dict | None = None) -> CpuKernels:
+def cpu_kernels(cpuinfo: str | None = None, make_timer=None, versions: dict | None = None,
+                probe: Probe = unavailable) -> CpuKernels:
     """The real pair's kernels on this CPU, chosen by measuring it (hf_specdec.kernels): on first use,
-    and again when the CPU, torch's threads or the versions change, forwards of the Qwen
-    architectures are timed with each candidate kernel (about half a minute on 2 cores) and the
-    choice is cached in cache_dir()/cpu_kernels.json. `.target` / `.draft` are `load_model`
-    arguments; `.why` says why, with the numbers. cpuinfo, make_timer (-> a kernels.Timer), versions: for tests."""
+    and again when the CPU, torch's threads or the versions change, each candidate kernel is probed
+    and those that run are timed on forwards of the Qwen architectures (about half a minute on 2
+    cores); the choice is cached in cache_dir()/cpu_kernels.json. `.target` / `.draft` are
+    `load_model` arguments; `.why` says why, with the numbers and the kernels that cannot run here.
+    cpuinfo, make_timer (-> a kernels.Timer), versions, probe (-> kernels.Probe): for tests."""
     from transformers import Qwen2Config
     configs = {role: Qwen2Config(**MODELS[name].config) for role, name in zip(("target", "draft"), QWEN_PAIR)}
     return cached_choice(cache_dir() / "cpu_kernels.json", make_timer or (lambda: ForwardTimer(configs)),
-                         cpuinfo, versions)
+                         cpuinfo, versions, probe)
 
 
-def default_kernels(name: str, cpuinfo: str | None = None) -> tuple[dict, str]:
+def default_kernels(name: str, cpuinfo: str | None = None, probe: Probe = unavailable) -> tuple[dict, str]:
     """`load_model` arguments for `name` when it is given no dtype, onednn=, int8= or packed=, and why.
 
     A model whose default is float32 stays plain float32 (its `nn.Linear`s intact, so
     `self_draft` and int8 copies work; packed=True is opt-in). A bf16 model takes the target's
     flag rule's target (`kernels.rule_target`, never a timing): bf16 with bf16 matrix instructions,
     its weights packed for oneDNN, else float32 through oneDNN, where emulated bf16 makes every
-    forward of several rows (verification, batches) several times slower. Quantisation is never a default."""
+    forward of several rows (verification, batches) several times slower; a kernel that `probe`
+    finds cannot run here gives way to the next. Quantisation is never a default."""
     import torch
     spec = MODELS[name]
     if spec.default_dtype != "bfloat16":
         return {"dtype": getattr(torch, spec.default_dtype)}, f"{spec.default_dtype}: the model's default"
-    target = load_arguments(rule_target(cpuinfo))
-    if target.get("dtype") == torch.bfloat16:
-        return target, ("bfloat16: this CPU has bf16 matrix instructions (AMX or AVX-512 BF16); weights packed "
-                        "for oneDNN (a forward of a few tokens at about one token's cost)")
-    return target, ("float32 through oneDNN: this CPU has no bf16 matrix instructions, so bf16 would be "
-                    "emulated and forwards of several rows several times slower (docs/results/cpu_matmul)")
+    kernel = rule_target(cpuinfo, probe)
+    if kernel == "bf16-packed":
+        return load_arguments(kernel), ("bfloat16: this CPU has bf16 matrix instructions (AMX or AVX-512 BF16); "
+                                        "weights packed for oneDNN (a forward of a few tokens at about one token's cost)")
+    if cpu_bf16_matmul(cpuinfo):
+        return load_arguments(kernel), f"{kernel}: bf16 packed for oneDNN cannot run here ({probe('bf16-packed')})"
+    return load_arguments(kernel), ("float32 through oneDNN: this CPU has no bf16 matrix instructions, so bf16 would "
+                                    "be emulated and forwards of several rows several times slower "
+                                    "(docs/results/cpu_matmul)")
 
 
 def cache_dir() -> Path:
@@ -167,6 +173,10 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         raise ValueError("give one of onednn=True, int8= and packed=True: they are kinds of linear layer")
     if packed and dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"packed=True runs float32 or bfloat16 layers; dtype must be one of those or None, got {dtype}")
+    asked = "bf16-packed" if packed and dtype == torch.bfloat16 else "fp32-packed" if packed else "onednn" if onednn else None
+    if asked and unavailable(asked):
+        raise ValueError(f"{'packed' if packed else 'onednn'}=True ({asked}) cannot run on this CPU: "
+                         f"{unavailable(asked)}; leave the kernel arguments out for this CPU's default")
     spec = MODELS[name]
     if dtype is None and not onednn and not int8 and not packed:
         chosen, why = default_kernels(name)

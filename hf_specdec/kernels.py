@@ -9,6 +9,11 @@ Kernels (each a way to load a model, `KERNELS`):
   int8         int8 weights, activations quantised per call (`use_int8_linears(model, "dynamic")`): a row's
                numbers depend on the rows beside it, so for a draft only
 
+A kernel is probed before it is timed (`unavailable`): a small linear layer built and run with it at
+widths 1 and K + 1. One that cannot run on this CPU or torch build (oneDNN's bf16 path needs
+AVX-512 BW/VL/DQ or AVX-NE-CONVERT) is left out of the choice, which goes on with the rest and says
+so in its `why`.
+
 Roles differ in what a choice may change. The target's kernels decide its numbers (bf16 and float32
 differ at near-ties), so its choice must never move with a timing: it is the flag rule's
 (`rule_target`) unless the other kernel's modelled speed beats it by `TARGET_MARGIN`, and the choice
@@ -24,6 +29,7 @@ measured widths 1 and K + 1; its score is the geometric mean over `BATCHES`.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import json
 import logging
@@ -53,6 +59,8 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", *BF16_FLAGS, "
 
 # (role, kernel, batch, width) -> milliseconds of one forward of that model with `batch` rows of `width` tokens
 Timer = Callable[[str, str, int, int], float]
+# kernel -> why it cannot run here, None where it runs
+Probe = Callable[[str], "str | None"]
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
@@ -77,14 +85,23 @@ def cpu_kind(cpuinfo: str | None = None) -> str:
     return next((kind for kind, flag in kinds if flag in flags), "other")
 
 
-def rule_target(cpuinfo: str | None = None) -> str:
+def rule_target(cpuinfo: str | None = None, probe: Probe | None = None) -> str:
     """The flag rule for the target: bf16 with bf16 matrix instructions, its weights packed for
     oneDNN (measured on an AVX-512 BF16 EPYC: the real 1.5B's one-token forward 1.26x faster than
     unpacked bf16, its 6-token one 1.56x); else float32 through oneDNN (bf16 is emulated there:
     verifying a few tokens would cost several one-token steps). Not packed float32: with AVX2
     only, its one-token forward was 1.27x dearer than oneDNN's unpacked one (emulated AVX2, so
-    measured again where it runs: the margin rule takes it when it pays)."""
-    return "bf16-packed" if cpu_bf16_matmul(cpuinfo) else "onednn"
+    measured again where it runs: the margin rule takes it when it pays).
+    probe (`unavailable` where given): the first of those, then the other targets, that runs here."""
+    rule = ("bf16-packed", "onednn") if cpu_bf16_matmul(cpuinfo) else ("onednn",)
+    if probe is None:
+        return rule[0]
+    order = [*rule, *(k for k in ROLES["target"] if k not in rule)]
+    runs = next((k for k in order if probe(k) is None), None)
+    if runs is None:
+        raise RuntimeError("no target kernel runs on this CPU: "
+                           + "; ".join(f"{k}: {probe(k)}" for k in order))
+    return runs
 
 
 def load_arguments(kernel: str) -> dict:
@@ -95,6 +112,26 @@ def load_arguments(kernel: str) -> dict:
     return {k: getattr(torch, v) if k == "dtype" else v for k, v in KERNELS[kernel].items()}
 
 
+@functools.cache
+def unavailable(kernel: str) -> str | None:
+    """Why `kernel` cannot run on this CPU and torch build, or None where it runs: a 64 x 64 linear
+    layer is built with it (`swap_linears`, as a model's are) and run at widths 1 and K + 1. Cached
+    per process (`unavailable.cache_clear()` to probe again)."""
+    import torch
+    arguments = load_arguments(kernel)
+    try:
+        layer = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(arguments.get("dtype", torch.float32))
+        swap_linears(layer, arguments.get("onednn", False), arguments.get("int8"), arguments.get("packed", False))
+        with torch.inference_mode():
+            for width in (1, K + 1):
+                layer(torch.ones(1, width, 64, dtype=arguments.get("dtype", torch.float32)))
+    except Exception as err:          # noqa: BLE001 (whatever the kernel raises, it does not run here)
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        logger.info("CPU kernel %s cannot run here: %s", kernel, reason)
+        return reason
+    return None
+
+
 @dataclass(frozen=True)
 class CpuKernels:
     """The pair's kernels on this CPU, with the measurements behind the choice."""
@@ -102,6 +139,7 @@ class CpuKernels:
     draft_kernel: str
     why: str                           # the choice in words, with its numbers
     timings: dict = field(default_factory=dict)    # role -> kernel -> "BxW" -> ms (empty: not measured)
+    skipped: dict = field(default_factory=dict)    # kernel -> why it cannot run here (not timed)
     scores: dict = field(default_factory=dict)     # "target+draft" -> modelled tokens/s per batch
 
     @property
@@ -126,35 +164,46 @@ def modelled_speed(timings: dict, target: str, draft: str, batch: int, acceptanc
     return best
 
 
-def choose(timings: dict, rule: str, acceptance: float = ACCEPTANCE) -> CpuKernels:
-    """The pair with the best modelled score; the target stays `rule` unless beaten by TARGET_MARGIN."""
-    speeds = {(t, d): [modelled_speed(timings, t, d, b, acceptance) for b in BATCHES]
-              for t in ROLES["target"] for d in ROLES["draft"]}
+def choose(timings: dict, rule: str, acceptance: float = ACCEPTANCE, skipped: dict | None = None) -> CpuKernels:
+    """The pair with the best modelled score among the kernels in `timings`; the target stays `rule`
+    unless beaten by TARGET_MARGIN. skipped: kernel -> why it was not timed (`measure`), for `why`."""
+    targets, drafts = list(timings["target"]), list(timings["draft"])
+    speeds = {(t, d): [modelled_speed(timings, t, d, b, acceptance) for b in BATCHES] for t in targets for d in drafts}
     score = {pair: math.exp(statistics.fmean(math.log(s) for s in per)) for pair, per in speeds.items()}
-    best_draft = {t: max(ROLES["draft"], key=lambda d: score[t, d]) for t in ROLES["target"]}
-    best = {t: score[t, best_draft[t]] for t in ROLES["target"]}
-    rival = max((t for t in ROLES["target"] if t != rule), key=best.get)
+    best_draft = {t: max(drafts, key=lambda d: score[t, d]) for t in targets}
+    best = {t: score[t, best_draft[t]] for t in targets}
+    rival = max((t for t in targets if t != rule), key=best.get, default=rule)
     target = rival if best[rival] > TARGET_MARGIN * best[rule] else rule
     draft = best_draft[target]
     plain = [1e3 * b / timings["target"][target][f"{b}x1"] for b in BATCHES]
     modelled = ", ".join(f"batch {b}: {s:.2f} tokens/s (plain {p:.2f})"
                          for b, s, p in zip(BATCHES, speeds[target, draft], plain))
-    drafts = ", ".join(f"{d} {timings['draft'][d]['1x1']:.0f}" for d in ROLES["draft"])
-    targets = ", ".join(f"{t} {timings['target'][t]['1x1']:.0f}/{timings['target'][t][f'1x{K + 1}']:.0f}"
-                        for t in ROLES["target"])
+    draft_ms = ", ".join(f"{d} {timings['draft'][d]['1x1']:.0f}" for d in drafts)
+    target_ms = ", ".join(f"{t} {timings['target'][t]['1x1']:.0f}/{timings['target'][t][f'1x{K + 1}']:.0f}"
+                          for t in targets)
     kept = ("the flag rule's" if target == rule
             else f"not the flag rule's {rule}: {best[target] / best[rule]:.2f}x its score")
     why = (f"measured: target {target} ({kept}), draft {draft}; modelled at acceptance {acceptance}: {modelled}; "
-           f"ms a forward at batch 1: target 1/{K + 1} tokens {targets}; draft {drafts}")
-    return CpuKernels(target_kernel=target, draft_kernel=draft, why=why, timings=timings,
+           f"ms a forward at batch 1: target 1/{K + 1} tokens {target_ms}; draft {draft_ms}")
+    skipped = skipped or {}
+    if skipped:
+        why += "; not run on this CPU: " + "; ".join(f"{k} ({reason})" for k, reason in skipped.items())
+    return CpuKernels(target_kernel=target, draft_kernel=draft, why=why, timings=timings, skipped=skipped,
                       scores={f"{t}+{d}": [round(s, 3) for s in per] for (t, d), per in speeds.items()})
 
 
-def measure(timer: Timer) -> dict:
-    """role -> kernel -> "BxW" -> ms: the target at widths 1 and K + 1, the draft at 1, at BATCHES."""
+def unrunnable(probe: Probe = unavailable) -> dict:
+    """kernel -> why it cannot run here, for the candidates of ROLES that `probe` refuses."""
+    reasons = {kernel: probe(kernel) for kernel in dict.fromkeys(k for ks in ROLES.values() for k in ks)}
+    return {kernel: why for kernel, why in reasons.items() if why is not None}
+
+
+def measure(timer: Timer, skipped=()) -> dict:
+    """role -> kernel -> "BxW" -> ms: the target at widths 1 and K + 1, the draft at 1, at BATCHES,
+    for each candidate kernel not in `skipped` (`unrunnable`)."""
     widths = {"target": (1, K + 1), "draft": (1,)}
     return {role: {kernel: {f"{b}x{w}": round(timer(role, kernel, b, w), 3) for b in BATCHES for w in widths[role]}
-                   for kernel in kernels}
+                   for kernel in kernels if kernel not in skipped}
             for role, kernels in ROLES.items()}
 
 
@@ -176,8 +225,9 @@ def machine_key(cpuinfo: str | None = None, versions: dict | None = None) -> dic
 
 
 def cached_choice(path: Path, make_timer: Callable[[], Timer], cpuinfo: str | None = None,
-                  versions: dict | None = None) -> CpuKernels:
-    """The choice cached at `path` for this machine, else measured (with `make_timer()`) and cached."""
+                  versions: dict | None = None, probe: Probe = unavailable) -> CpuKernels:
+    """The choice cached at `path` for this machine, else measured (with `make_timer()`, over the
+    kernels `probe` lets run) and cached."""
     key = machine_key(cpuinfo, versions)
     try:
         saved = json.loads(path.read_text())
@@ -190,7 +240,8 @@ def cached_choice(path: Path, make_timer: Callable[[], Timer], cpuinfo: str | No
     except (OSError, ValueError, KeyError, TypeError):
         pass
     start = time.perf_counter()
-    choice = choose(measure(make_timer()), rule_target(cpuinfo))
+    skipped = unrunnable(probe)
+    choice = choose(measure(make_timer(), skipped), rule_target(cpuinfo, probe), skipped=skipped)
     logger.info("CPU kernels measured in %.0f s: %s", time.perf_counter() - start, choice.why)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:

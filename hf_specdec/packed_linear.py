@@ -17,6 +17,13 @@ import torch
 PACKED_ROWS = 8
 
 
+def reorder_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout for `rows`-row products. Raises a RuntimeError
+    where oneDNN cannot (bf16 without AVX-512 BW/VL/DQ or AVX-NE-CONVERT): `kernels.unavailable`
+    probes it."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
 @torch.library.custom_op("hf_specdec::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
@@ -39,7 +46,7 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
+            packed = reorder_weight(linear.weight.detach(), PACKED_ROWS)
         self.register_buffer("packed_weight", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias, persistent=False)

@@ -120,12 +120,13 @@ AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
 def test_default_kernels_follow_the_flag_rule_for_bf16_models_and_leave_float32_ones():
     from hf_specdec.embedded import default_kernels
     qwen = "qwen2.5-coder-0.5b-instruct"
-    assert default_kernels(qwen, AMX)[0] == {"dtype": torch.bfloat16, "packed": True}   # the flag rule: never a timing
-    assert default_kernels(qwen, AVX512)[0] == {"onednn": True}
-    assert "int8" not in default_kernels(qwen, AVX512)[0]      # quantisation stays explicit
+    runs_all = lambda kernel: None        # noqa: E731 (each kernel runs: the rule is by flags alone)
+    assert default_kernels(qwen, AMX, runs_all)[0] == {"dtype": torch.bfloat16, "packed": True}   # never a timing
+    assert default_kernels(qwen, AVX512, runs_all)[0] == {"onednn": True}
+    assert "int8" not in default_kernels(qwen, AVX512, runs_all)[0]      # quantisation stays explicit
     for name in ("smollm2-135m-instruct", "gemma-3-270m"):
         for cpu in (AMX, AVX512):
-            assert default_kernels(name, cpu)[0] == {"dtype": torch.float32}
+            assert default_kernels(name, cpu, runs_all)[0] == {"dtype": torch.float32}
 
 
 @pytest.mark.parametrize("cpu", [AMX, AVX512], ids=["bf16-units", "no-bf16-units"])
@@ -133,11 +134,13 @@ def test_load_model_without_dtype_takes_the_cpu_choice_and_honours_an_explicit_o
     """SmolLM2 posing as a bf16-default model, on a CPU with and without bf16 matrix units."""
     import dataclasses
     import logging
-    from hf_specdec import embedded
+    from hf_specdec import embedded, kernels
+    if cpu is AMX and kernels.unavailable("bf16-packed"):
+        pytest.skip(f"bf16-packed cannot run on this CPU: {kernels.unavailable('bf16-packed')}")
     name = "smollm2-135m-instruct"
     monkeypatch.setitem(embedded.MODELS, name, dataclasses.replace(embedded.MODELS[name], default_dtype="bfloat16"))
-    rule = embedded.rule_target
-    monkeypatch.setattr(embedded, "rule_target", lambda cpuinfo=None: rule(cpu))   # this CPU's flags: `cpu`
+    default = embedded.default_kernels
+    monkeypatch.setattr(embedded, "default_kernels", lambda name: default(name, cpu))   # this CPU's flags: `cpu`
 
     def linears(model):
         return sum(type(m) is torch.nn.Linear for m in model.modules())
@@ -154,27 +157,37 @@ def test_load_model_without_dtype_takes_the_cpu_choice_and_honours_an_explicit_o
         assert next(model.parameters()).dtype == dtype and linears(model) > 0
 
 
-def test_packed_linears_compute_what_the_linear_layers_did_and_speculation_stays_lossless():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_packed_linears_compute_what_the_linear_layers_did_and_speculation_stays_lossless(dtype):
     """Packed oneDNN weights (float32 and bf16): the logits agree with nn.Linear's to the dtype's
-    rounding, a deep copy and torch.compile run them, and greedy speculation returns plain
-    generate()'s tokens of the packed model."""
+    rounding, and a deep copy and torch.compile run them."""
     import copy
+    from hf_specdec.kernels import unavailable
     from hf_specdec.packed_linear import PackedLinear, use_packed_linears
     from hf_specdec.testing import build, noisy_copy, prompts
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
-        model = build("llama", layers=2, vocab=64, hidden=32, init=0.02).eval().to(dtype)
-        ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            before = model(ids).logits
-            linears = sum(type(m) is torch.nn.Linear for m in model.modules())
-            assert use_packed_linears(model) == linears > 0
-            assert all(type(m) is not torch.nn.Linear for m in model.modules())
-            torch.testing.assert_close(model(ids).logits, before, rtol=tolerance, atol=tolerance)
-            layer = model.model.layers[0].mlp.up_proj
-            assert isinstance(layer, PackedLinear)
-            x = torch.randn(2, 5, layer.in_features).to(dtype)
-            assert torch.equal(copy.deepcopy(layer)(x), layer(x))
-            torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
+    kernel = {torch.float32: "fp32-packed", torch.bfloat16: "bf16-packed"}[dtype]
+    if unavailable(kernel):
+        pytest.skip(f"{kernel} cannot run on this CPU: {unavailable(kernel)}")
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
+    model = build("llama", layers=2, vocab=64, hidden=32, init=0.02).eval().to(dtype)
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+        assert use_packed_linears(model) == linears > 0
+        assert all(type(m) is not torch.nn.Linear for m in model.modules())
+        torch.testing.assert_close(model(ids).logits, before, rtol=tolerance, atol=tolerance)
+        layer = model.model.layers[0].mlp.up_proj
+        assert isinstance(layer, PackedLinear)
+        x = torch.randn(2, 5, layer.in_features).to(dtype)
+        assert torch.equal(copy.deepcopy(layer)(x), layer(x))
+        torch.testing.assert_close(torch.compile(layer, backend="aot_eager")(x), layer(x))
+
+
+def test_greedy_speculation_on_packed_linears_returns_plain_generates_tokens():
+    import copy
+    from hf_specdec.packed_linear import use_packed_linears
+    from hf_specdec.testing import build, noisy_copy, prompts
     base = build("llama", layers=2, vocab=64, hidden=64, init=0.3).eval()
     packed = copy.deepcopy(base)
     use_packed_linears(packed)

@@ -13,18 +13,30 @@ AVX512 = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse2 avx2 fma
 AVX512_BF16 = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16\n"
 AMX = "model name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 VERSIONS = {"torch": "2.13.0", "transformers": "5.24.0", "hf-specdec": "0.1.0"}
+# what torch's oneDNN says on a CPU with AVX2 only (torch 2.13, a Zen 3 EPYC)
+ONEDNN_BF16 = "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+
+
+def runs_all(kernel):
+    return None
+
+
+def refuses(*names):
+    """A kernels.Probe under which `names` cannot run, as oneDNN's bf16 path cannot on AVX2."""
+    return lambda kernel: f"RuntimeError: {ONEDNN_BF16}" if kernel in names else None
 
 # ms a forward of the full model: (role, kernel) -> (batch 1 at width 1, at 6; batch 8 at width 1, at 6).
 # Shaped after what each CPU kind showed (DESIGN.md's table, docs/results/step_budget, cpu_matmul):
 # without bf16 units bf16 is emulated (cheap at one row, several times dearer at several); int8
 # weights make the draft a fraction of a float32 one where fbgemm has VNNI.
 KINDS = {
-    # float32 packed as emulated AVX2 showed it: a one-token forward 1.27x dearer, six tokens 0.7x
+    # float32 packed as emulated AVX2 showed it: a one-token forward 1.27x dearer, six tokens 0.7x;
+    # bf16 packed cannot run there (no timing: the probe drops it)
     "avx2-only": (AVX2, {
         ("target", "bf16"): (420, 2300, 2900, 14000), ("target", "onednn"): (450, 890, 800, 2600),
-        ("target", "bf16-packed"): (400, 2000, 2600, 12000), ("target", "fp32-packed"): (575, 620, 900, 1000),
+        ("target", "fp32-packed"): (575, 620, 900, 1000),
         ("draft", "bf16"): (150, 0, 950, 0), ("draft", "onednn"): (160, 0, 280, 0), ("draft", "int8"): (90, 0, 200, 0),
-        ("draft", "bf16-packed"): (140, 0, 900, 0), ("draft", "fp32-packed"): (165, 0, 260, 0)},
+        ("draft", "fp32-packed"): (165, 0, 260, 0)},
         ("fp32-packed", "int8")),
     "avx512-no-bf16": (AVX512, {
         ("target", "bf16"): (380, 1900, 2400, 11000), ("target", "onednn"): (348, 515, 560, 1900),
@@ -58,6 +70,9 @@ def table_timer(table: dict, calls: list | None = None):
     return timer
 
 
+PROBES = {"avx2-only": refuses("bf16-packed")}     # the other kinds run every kernel
+
+
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
@@ -66,15 +81,58 @@ def own_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_choice_follows_the_numbers_on_each_cpu_kind(kind):
     cpuinfo, table, expected = KINDS[kind]
-    choice = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=VERSIONS)
+    probe = PROBES.get(kind, runs_all)
+    choice = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=VERSIONS, probe=probe)
     assert (choice.target_kernel, choice.draft_kernel) == expected
     assert choice.target == kernels.load_arguments(expected[0]) and choice.draft == kernels.load_arguments(expected[1])
     assert f"draft {expected[1]}" in choice.why and "tokens/s" in choice.why
+    assert choice.skipped == kernels.unrunnable(probe)
     # the draft changes no output: the cheaper draft wins whatever it is
-    other = next(d for d in kernels.ROLES["draft"] if d != expected[1])
+    other = next(d for d in kernels.ROLES["draft"] if d != expected[1] and probe(d) is None)
     cheaper = {**table, ("draft", other): (20, 0, 30, 0)}
-    choice = kernels.choose(kernels.measure(table_timer(cheaper)), kernels.rule_target(cpuinfo))
+    choice = kernels.choose(kernels.measure(table_timer(cheaper), choice.skipped), kernels.rule_target(cpuinfo, probe))
     assert choice.draft_kernel == other and choice.target_kernel == expected[0]
+
+
+@pytest.fixture
+def onednn_refuses_bf16(monkeypatch):
+    """oneDNN's packing refuses bf16 weights here, as it does on a CPU with AVX2 only."""
+    from hf_specdec import packed_linear
+    reorder = packed_linear.reorder_weight
+
+    def refusing(weight, rows):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(ONEDNN_BF16)
+        return reorder(weight, rows)
+    kernels.unavailable.cache_clear()
+    monkeypatch.setattr(packed_linear, "reorder_weight", refusing)
+    yield
+    kernels.unavailable.cache_clear()       # the probe's verdicts under the injection are not this CPU's
+
+
+def test_a_kernel_that_cannot_run_is_probed_out_and_the_choice_and_loading_go_on(onednn_refuses_bf16):
+    """Real forwards (a small Qwen2 at 2 layers) on a CPU where bf16 packing fails: the choice is
+    made from the kernels that run and says which did not and why; a bf16 model loads as the next
+    kernel of the flag rule; asking for the refused kernel is a ValueError naming it."""
+    from transformers import Qwen2Config
+    from hf_specdec import embedded
+    assert kernels.unavailable("bf16-packed") == f"RuntimeError: {ONEDNN_BF16}"
+    assert [k for k in kernels.KERNELS if kernels.unavailable(k) is None] == ["bf16", "onednn", "fp32-packed", "int8"]
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    choice = cpu_kernels(AVX512_BF16, make_timer=lambda: kernels.ForwardTimer({"target": config, "draft": config},
+                                                                               repeats=1),
+                         versions=VERSIONS)
+    assert "bf16-packed" not in choice.timings["target"] and choice.target_kernel != "bf16-packed"
+    assert choice.skipped == {"bf16-packed": f"RuntimeError: {ONEDNN_BF16}"} and ONEDNN_BF16 in choice.why
+    # the demo's loading: the chosen kernels load (SmolLM2 standing in for the pair), and a bf16
+    # model loaded without kernel arguments on a CPU with bf16 units takes the flag rule's next
+    model, _ = embedded.load_model("smollm2-135m-instruct", source="pypi", **choice.target)
+    assert next(model.parameters()).dtype == choice.target.get("dtype", torch.float32)
+    arguments, why = embedded.default_kernels("qwen2.5-coder-1.5b-instruct", AVX512_BF16)
+    assert arguments == {"onednn": True} and "bf16 packed for oneDNN cannot run here" in why
+    with pytest.raises(ValueError, match="packed=True .bf16-packed. cannot run on this CPU"):
+        embedded.load_model("smollm2-135m-instruct", dtype=torch.bfloat16, packed=True, source="pypi")
 
 
 def test_the_target_leaves_the_flag_rule_only_for_a_wide_margin():
@@ -102,45 +160,47 @@ def test_speculation_off_when_no_draft_pays():
 def test_the_cache_is_used_on_the_second_call_and_dropped_when_the_cpu_or_versions_change(tmp_path):
     cpuinfo, table, expected = KINDS["avx512-bf16-no-amx"]
     calls = []
-    first = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=VERSIONS)
+    first = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=VERSIONS, probe=runs_all)
     assert len(calls) == 4 * 4 + 5 * 2        # target: 4 kernels x 2 batches x 2 widths; draft: 5 x 2 x 1
     saved = json.loads((tmp_path / "cpu_kernels.json").read_text())
     assert saved["choice"]["timings"]["draft"]["int8"]["1x1"] == 30 and "avx512_bf16" in saved["key"]["cpu"]
 
     def never():
         raise AssertionError("measured again though the cache holds this machine")
-    again = cpu_kernels(cpuinfo, make_timer=never, versions=VERSIONS)
+    again = cpu_kernels(cpuinfo, make_timer=never, versions=VERSIONS, probe=runs_all)
     assert again == first
 
     amx_cpu, amx_table, amx_expected = KINDS["amx"]
-    assert (cpu_kernels(amx_cpu, make_timer=lambda: table_timer(amx_table), versions=VERSIONS).draft_kernel
+    assert (cpu_kernels(amx_cpu, make_timer=lambda: table_timer(amx_table), versions=VERSIONS, probe=runs_all).draft_kernel
             == amx_expected[1])                                      # another CPU string: measured
     calls.clear()
     newer = {**VERSIONS, "transformers": "5.25.0"}
-    assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=newer) == first
+    assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=newer, probe=runs_all) == first
     assert calls                                                   # other versions: measured again
     (tmp_path / "cpu_kernels.json").write_text("{not json")
-    assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=newer) == first
+    assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=newer, probe=runs_all) == first
 
 
-def test_the_forward_timer_times_the_real_architecture_at_full_depth_with_each_kernel():
+@pytest.mark.parametrize("kernel", kernels.ROLES["draft"])
+def test_the_forward_timer_times_the_real_architecture_at_full_depth_with_each_kernel(kernel):
     """A small Qwen2 config: full time = head + decoder x layers / depth, by an injected clock."""
     from transformers import Qwen2Config
+    if kernels.unavailable(kernel):
+        pytest.skip(f"{kernel} cannot run on this CPU: {kernels.unavailable(kernel)}")
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256)
     ticks = iter(range(10_000))
     timer = kernels.ForwardTimer({"target": config}, depth=2, repeats=1, clock=lambda: float(next(ticks)))
     rng_before = torch.random.get_rng_state()
-    for kernel in kernels.ROLES["draft"]:
-        # each forward takes one tick (1 s), the 2-layer decoder's and the head's alike
-        assert timer("target", kernel, 2, 3) == pytest.approx(1e3 * (1 + 12 / 2))
-        model = timer._model("target", kernel)
-        assert model.config.num_hidden_layers == 2
-        linear = type(model.model.layers[0].mlp.up_proj)
-        assert linear.__name__ == {"bf16": "Linear", "onednn": "MkldnnLinear", "int8": "Linear",
-                                   "bf16-packed": "PackedLinear", "fp32-packed": "PackedLinear"}[kernel]
-        assert ("quantized" in linear.__module__) == (kernel == "int8")
-        assert model.dtype == (torch.bfloat16 if kernel.startswith("bf16") else torch.float32)
+    # each forward takes one tick (1 s), the 2-layer decoder's and the head's alike
+    assert timer("target", kernel, 2, 3) == pytest.approx(1e3 * (1 + 12 / 2))
+    model = timer._model("target", kernel)
+    assert model.config.num_hidden_layers == 2
+    linear = type(model.model.layers[0].mlp.up_proj)
+    assert linear.__name__ == {"bf16": "Linear", "onednn": "MkldnnLinear", "int8": "Linear",
+                               "bf16-packed": "PackedLinear", "fp32-packed": "PackedLinear"}[kernel]
+    assert ("quantized" in linear.__module__) == (kernel == "int8")
+    assert model.dtype == (torch.bfloat16 if kernel.startswith("bf16") else torch.float32)
     assert torch.equal(torch.random.get_rng_state(), rng_before)     # the caller's random state untouched
 
 
