@@ -45,7 +45,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import regions
-from ._compat import modeling
+from ._compat import hub_kernels, modeling
 from .tiers import SPEC_TIERS
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class CompiledForwards:
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         regional = input_ids.shape[1] > 1
         if regional not in self.functions:
+            hub_kernels.thread_safe_kernel_funcs()      # other threads decode while this one compiles
             # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object,
             # and what its automatic-dynamic rule learnt per code name: a name of its own, so another
             # model's shapes decide nothing here

@@ -70,16 +70,16 @@ def test_cache_from_model_kwargs_reads_either_name():
     assert kv_cache.cache_from_model_kwargs({"attention_mask": None}) is None
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "5.22.0", "5.25.0", "6.0.0"])
+@pytest.mark.parametrize("version", ["4.57.1", "5.23.0", "5.26.0", "6.0.0"])
 def test_unsupported_transformers_is_refused_naming_the_range(version):
-    with pytest.raises(ImportError, match=r">=5\.23,<5\.25"):
+    with pytest.raises(ImportError, match=r">=5\.24,<5\.26"):
         _compat.check_transformers_version(version)
 
 
 def test_installed_transformers_is_supported():
     _compat.check_transformers_version(transformers.__version__)
-    _compat.check_transformers_version("5.23.0")
-    _compat.check_transformers_version("5.24.1.dev0")
+    _compat.check_transformers_version("5.24.0")
+    _compat.check_transformers_version("5.25.1.dev0")
 
 
 def test_the_library_needs_only_torch_transformers_and_accelerate():

@@ -20,7 +20,10 @@ from .modeling import layer_kinds
 # (which returns them after the state: the causal conv's left context) and its final recurrent state
 # to `update_recurrent_state`; with `record_past` it never takes its one-token path (a conv state
 # updated in place). The recurrence is a module-level function of its modeling module, which the mixer
-# calls by name: one for several tokens, one for a token (what plain decoding runs) (`_RULES`).
+# calls by name: one for several tokens, one for a token (what plain decoding runs) (`_RULES`). 5.25
+# is the same but for two things: Mamba-2's one-token path updates a copy of the state in place and
+# passes the copy to `update_recurrent_state`, and a mixer can keep per-token states itself
+# (`recurrent_states_to_keep`, Transformers' own rollback), which our layers leave at 0.
 _recording = threading.local()   # this thread's forward: .plan (StatePlan), .states (the last rule's), .in_place
 _rules_lock = threading.Lock()
 _rules_installed: dict[str, int] = {}   # modeling module -> forwards recording through its wrapped rules
@@ -68,6 +71,7 @@ class StateLayer(LinearAttentionLayer):
     def __init__(self, number_of_states: int = 1):
         super().__init__(number_of_states=number_of_states)
         self.record_past = True       # every forward passes its conv inputs to update_conv_state
+        self.recurrent_states_to_keep = 0     # (5.25: its mixers' own per-token states: we record ours)
         self.recorded: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
         self.region: list[tuple] = []    # (recording, and per row: region token -> column offset, first and last column)
 
@@ -88,6 +92,9 @@ class StateLayer(LinearAttentionLayer):
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         states = getattr(_recording, "states", None)
+        if states is None:      # 5.25's Mamba-2 one-token path: updated in place on a copy it passes here
+            states = next((kept for state, kept in getattr(_recording, "in_place", ()) if state is recurrent_states),
+                          None)
         if states is None:
             raise RuntimeError("a recurrent layer's rule did not record its states per token (its kind is not one "
                                "hf_specdec rolls back)")
