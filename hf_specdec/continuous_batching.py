@@ -176,7 +176,7 @@ def _for_speculation(cb_config: ContinuousBatchingConfig | None, workload_hints,
         raise ValueError(f"continuous_batching_config sets {', '.join(refused)}: speculation in continuous batching "
                          "runs synchronous batches without CUDA graphs or compilation; unset them")
     config.use_async_batching, config.use_cuda_graph = False, (False, False)
-    if config.max_requests_per_batch is None and workload_hints is not None:
+    if config.max_requests_per_batch is None and getattr(workload_hints, "num_requests", 0):   # (5.25's server: 0)
         # Transformers sizes its logits reserve to one row per request; a speculating one needs max_len + 1
         config.max_requests_per_batch = min(1024, workload_hints.num_requests * (speculation.policy.max_len + 1))
     return config

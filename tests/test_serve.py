@@ -76,7 +76,9 @@ def test_an_over_long_prompt_or_no_messages_gets_a_400_and_the_server_goes_on(se
     for messages, stream in ((too_long, False), (too_long, True), ([], False), (None, False)):
         with pytest.raises(openai.BadRequestError) as error:
             ours.client.chat.completions.create(model=model, messages=messages, max_tokens=4, stream=stream)
-        assert ("paged cache holds" if messages else "messages must be a non-empty list") in str(error.value)
+        # (Transformers 5.25 checks the prompt against the model's context itself, before our cache check)
+        expected = ("paged cache holds", "takes at most") if messages else ("messages must be a non-empty list",)
+        assert any(text in str(error.value.body) for text in expected), error.value.body
     assert chat(ours, model, QUESTIONS[1]) == chat(theirs, model, QUESTIONS[1])
     with urllib.request.urlopen(f"http://localhost:{ours.port}/health") as health:
         assert health.status == 200

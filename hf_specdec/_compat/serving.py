@@ -1,21 +1,69 @@
-"""`transformers serve` (transformers/cli/serving/, the same in 5.23 and 5.24): where `python -m
-hf_specdec serve` hooks in. `ModelManager._load_model` loads each model the server serves (its
-device, dtype, quantization; GGUF weights named `repo:file.gguf`), `build_server` makes its FastAPI
-app, each handler's `_validate_request` checks a body first, and the CLI is the typer app
-`transformers.cli.transformers.app`.
+"""`transformers serve` (transformers/cli/serving/): where `python -m hf_specdec serve` hooks in.
+
+Each model the server serves is loaded by Transformers, with the server's device, dtype and
+quantization (GGUF weights named `repo:file.gguf`), and passed through our `on_load(model, load)`
+(`serve_loads`), where `load(name)` loads another model the same way:
+- 5.24 loads it in the server's process, in `ModelManager._load_model`: we wrap that method.
+- 5.25 loads it in a spawned process of its own (the engine), with a pickled copy of the server's
+  `ModelLoader`; a patch made here does not reach it. The one hook is that loader's class:
+  `SpeculatingLoader`, which the server builds in place of `ModelLoader` and which carries
+  `on_load`, plain data (a module-level function and its keyword arguments), to the engine.
+The FastAPI app is built by `build_server`, each handler's `_validate_request` checks a body first,
+and the CLI is the typer app `transformers.cli.transformers.app` (the same in both).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+
+try:        # 5.25: each model in an engine process of its own, loaded by a ModelLoader
+    from transformers.cli.serving.model_manager import ModelLoader
+except ImportError:
+    ModelLoader = None
+
+
+if ModelLoader is not None:
+    class SpeculatingLoader(ModelLoader):
+        """The server's loader (5.25), whose `load_model_and_processor` (run in the engine process)
+        passes the model through `on_load(model, load)`. `on_load` is taken from `pending` when the
+        server builds the loader, and travels with it (pickled) to the engine."""
+        pending = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.on_load = SpeculatingLoader.pending
+
+        def load_model_and_processor(self, model_id, on_progress=None):
+            from transformers.cli.serving.utils import canonical_model_id
+            model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
+            if self.on_load is None:
+                return model, processor
+            _log_like_the_parent()
+            return self.on_load(model, lambda name: self._load_model(canonical_model_id(name))), processor
+
+
+def _log_like_the_parent() -> None:
+    """Our INFO lines in the engine process as in the command's (`python -m hf_specdec`): a spawned
+    process starts with logging unset."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
 
 
 @contextlib.contextmanager
 def serve_loads(on_load):
     """Within it, each model `transformers serve` loads passes through `on_load(model, load) -> model`,
-    where `load(name)` loads another model as the server loads its own."""
-    from transformers.cli.serving.model_manager import ModelManager
+    where `load(name)` loads another model as the server loads its own. On 5.25 `on_load` is pickled
+    to the model's process: a module-level function, or a `functools.partial` of one with plain data."""
+    from transformers.cli.serving import model_manager
+    if ModelLoader is not None:
+        SpeculatingLoader.pending, model_manager.ModelLoader = on_load, SpeculatingLoader
+        try:
+            yield
+        finally:
+            SpeculatingLoader.pending, model_manager.ModelLoader = None, ModelLoader
+        return
     from transformers.cli.serving.utils import split_model_id
-    original = ModelManager._load_model
+    original = model_manager.ModelManager._load_model
 
     def load_model(self, model_id_and_revision, *args, **kwargs):
         def load(name: str):
@@ -23,11 +71,11 @@ def serve_loads(on_load):
             return original(self, self.process_model_name(repo), gguf_file=gguf_file)
         return on_load(original(self, model_id_and_revision, *args, **kwargs), load)
 
-    ModelManager._load_model = load_model
+    model_manager.ModelManager._load_model = load_model
     try:
         yield
     finally:
-        ModelManager._load_model = original
+        model_manager.ModelManager._load_model = original
 
 
 @contextlib.contextmanager
