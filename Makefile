@@ -1,6 +1,6 @@
 PY ?= python3
 
-.PHONY: install demo test test-latest bench gpu-wheels gpu-check
+.PHONY: install demo test test-oldest test-latest bench gpu-wheels gpu-check
 install: .installed
 .installed: pyproject.toml scripts/install.sh scripts/constraints.txt
 	PYTHON=$(PY) bash scripts/install.sh
@@ -14,6 +14,10 @@ test: install
 
 bench: install
 	$(PY) eval/bench_generate.py
+
+# the suite on the oldest supported Transformers (the rest as pinned), in a throwaway virtual environment
+test-oldest:
+	PYTHON=$(PY) bash scripts/test_oldest.sh
 
 # the suite on the newest release of every dependency, in a throwaway virtual environment
 test-latest:

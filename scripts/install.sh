@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-CONSTRAINTS=scripts/constraints.txt
+CONSTRAINTS=${CONSTRAINTS:-scripts/constraints.txt}
 # The local CPU build of torch first: an unpinned torch would pull several GB of CUDA packages.
 $PY -m pip install --quiet -c $CONSTRAINTS "$(grep '^torch==' $CONSTRAINTS)"
 $PY -m pip install --quiet -c $CONSTRAINTS -e ".[eval,embedded,serve,test]"
