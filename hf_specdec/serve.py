@@ -2,10 +2,12 @@
 (`transformers serve MODEL --continuous-batching`), whose continuous batching speculates.
 
 The server is Transformers': its endpoints, request handling, errors and flags (every flag that is
-not ours goes to `transformers serve` as it is). Ours: once the server has loaded MODEL, it loads
-DRAFT the same way (device, dtype, quantization), `enable`s MODEL, and each continuous batching
-manager the server makes for MODEL speculates with DRAFT (or prompt lookup), the policy deciding
-each step's draft length from the batch (`continuous_batching.py`). A request that would fail
+not ours goes to `transformers serve` as it is). Ours: once the server has loaded MODEL (on
+Transformers 5.25 in the model's own engine process), it loads DRAFT the same way (device, dtype,
+quantization), `enable`s MODEL, and each continuous batching manager the server makes for MODEL
+speculates with DRAFT (or prompt lookup), the policy deciding each step's draft length from the
+batch (`continuous_batching.py`). What reaches the engine is `speculate` and its keyword
+arguments, plain data (`_compat.serving.serve_loads`). A request that would fail
 Transformers' generation loop, and with it the server (a prompt longer than the paged cache, a chat
 completion without messages), is answered with a 400 before it gets there.
 """
