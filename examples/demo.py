@@ -51,7 +51,7 @@ def main():
     # Transformers probes torchao (installed for eval/step_budget.py) at load; its CUDA-only
     # kernels and Enum registrations warn on a CPU machine, about nothing the demo uses
     # and Transformers' GGUF loader advises float32 for its packed GGUF kernels, which it then does
-    # not use (the `kernels` package is not installed: it de-quantises)
+    # not use (no GGUF matmul kernel can be fetched offline: it de-quantises)
     for noisy in ("torchao", "torch.utils._pytree", "transformers.quantizers.quantizer_gguf"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_grad_enabled(False)
