@@ -120,7 +120,8 @@ def main(argv=None):
             ax.set_ylabel("time / time of one row")
             ax.legend()
     out = Path(args.out)
-    md = write_results(out.parent, out.name, {"args": vars(args), "rows": rows_out, "skipped": skipped}, "\n".join(lines) + "\n", plot)
+    payload = {"args": vars(args), "rows": rows_out, "skipped": skipped}
+    md = write_results(out.parent, out.name, payload, "\n".join(lines) + "\n", plot)
     print(md.read_text())
 
 

