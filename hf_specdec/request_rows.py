@@ -41,9 +41,11 @@ class Draft:
 
 class RequestSampler(TokenSampler):
     """Drafts sampled with each request's own settings: Transformers' per-request processors of
-    continuous batching, with the arguments of the request each active row follows (`follow`).
-    Processors that read the tokens (a repetition penalty) are left out: the drafts then come from
-    a distribution a little further from the target's, which `verify` corrects."""
+    continuous batching, with the arguments of the request each active row follows (`follow`), or
+    with `per_request_processors` off (Transformers' default) the generation config's warpers, as
+    the target's step applies them. Processors that read the tokens (a repetition penalty) are left
+    out: the drafts then come from a distribution a little further from the target's, which
+    `verify` corrects."""
 
     def __init__(self, processors, do_sample: bool):
         super().__init__(None, do_sample)

@@ -506,6 +506,18 @@ def test_sampling_accepts_what_generate_accepts(model):
     assert 0.1 < shares[1] < 0.9 and abs(shares[0] - shares[1]) < 0.1, shares
 
 
+@pytest.mark.parametrize("per_request", [False, True], ids=["config-warpers", "per-request-processors"])
+def test_a_copy_of_the_target_drafts_through_the_target_s_warpers(model, per_request):
+    """Temperature 0.7 and top-k 10 in the generation config: Transformers' continuous batching
+    warps the target's logits with them, per request or (`per_request_processors` off, its default)
+    as the config's own processors. The draft samples through the same warpers, so a copy of the
+    target (p = q) has every draft accepted; drafting from its raw logits, most were rejected."""
+    config = generation(max_new_tokens=20, do_sample=True, temperature=0.7, top_k=10)
+    cb_config = batching(seed=0, per_request_processors=per_request)
+    _, counts = run(model, PROMPTS * 2, config, cb_config, speculation(4, draft_model=copy.deepcopy(model)))
+    assert counts.accepted >= 0.98 * counts.drafted > 0, (counts.accepted, counts.drafted)
+
+
 def test_the_benchmark_baseline_is_transformers_own_manager(model, monkeypatch):
     """eval/bench_continuous_batching.py's "plain" runs Transformers' manager and processor, none of
     ours, even on an enabled model; its lookup method runs ours, with the same outputs."""

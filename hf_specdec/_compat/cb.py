@@ -20,6 +20,9 @@ from types import SimpleNamespace
 
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                                                    TypicalLogitsWarper)
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 
@@ -142,12 +145,12 @@ def forward(processor, model, rows: int, pick) -> None:
 
 
 # --- per-request sampling, for a drafter --------------------------------------------------------
-def request_arguments(processors, states: list) -> torch.Tensor | None:
+def request_arguments(processors, states: list) -> torch.Tensor:
     """The per-request processors' arguments [processors, n] (int32 storage) of requests `states`,
-    as Transformers prepares them for a step; None without per-request processors."""
-    if not processors.tensors_required:
-        return None
+    as Transformers prepares them for a step ([0, n] without per-request processors)."""
     storage = torch.zeros(processors.tensors_required, len(states), dtype=torch.int32)
+    if not processors.tensors_required:
+        return storage
     return processors.prepare_tensor_args(_scheduled(states), storage)
 
 
@@ -156,11 +159,21 @@ def _scheduled(states: list) -> list:
     return [SimpleNamespace(state=state, has_new_token=True) for state in states]
 
 
+# the generation config's warpers that read only the scores, not the tokens (what a draft can apply)
+SCORE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+                 EpsilonLogitsWarper, EtaLogitsWarper)
+
+
 def process(processors, scores: torch.Tensor, arguments: torch.Tensor) -> torch.Tensor:
-    """scores [m, vocab] through the per-request processors only, row i with arguments[:, i]."""
-    per_request = [p for p in processors.logits_processor if isinstance(p, ContinuousBatchingLogitsProcessor)]
-    for processor, argument in zip(per_request, arguments):
-        scores = processor(scores, argument)
+    """scores [m, vocab] through the processors of a step that read only the scores, in their order:
+    the per-request ones, row i with arguments[:, i], and the generation config's warpers (what
+    Transformers' continuous batching runs with `per_request_processors` off, its default)."""
+    per_request = iter(arguments)
+    for processor in processors.logits_processor:
+        if isinstance(processor, ContinuousBatchingLogitsProcessor):
+            scores = processor(scores, next(per_request))
+        elif isinstance(processor, SCORE_WARPERS):
+            scores = processor(None, scores)
     return scores
 
 
