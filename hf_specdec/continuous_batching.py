@@ -17,7 +17,7 @@ tokens; a step where no request drafts is Transformers' own step, untouched.
 Not with speculation (a clear error before any work): asynchronous batching (it carries one token
 ahead), CUDA graphs and compiled paths (padded shapes), sliding-window layers (their ring cache
 would overwrite tokens still in the window with rejected drafts). Drafters: `request_rows.py`.
-Tested on Transformers 5.24 and 5.23 (their continuous batching differs only in details).
+Tested on Transformers 5.24 and 5.25 (their continuous batching differs only in details).
 """
 from __future__ import annotations
 

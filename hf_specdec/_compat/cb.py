@@ -1,5 +1,5 @@
-"""Transformers' continuous batching (transformers/generation/continuous_batching/, the same in 5.23
-and 5.24): the one seam hf_specdec's speculating batch processor composes on. Every read or write
+"""Transformers' continuous batching (transformers/generation/continuous_batching/, the same in 5.24
+and 5.25): the one seam hf_specdec's speculating batch processor composes on. Every read or write
 of its internals is a function here.
 
 Where Transformers' processor offers no seam for a step of speculation:
