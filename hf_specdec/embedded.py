@@ -174,9 +174,10 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     if packed and dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"packed=True runs float32 or bfloat16 layers; dtype must be one of those or None, got {dtype}")
     asked = "bf16-packed" if packed and dtype == torch.bfloat16 else "fp32-packed" if packed else "onednn" if onednn else None
-    if asked and unavailable(asked):
+    refusal = unavailable(asked) if asked else None
+    if refusal:
         raise ValueError(f"{'packed' if packed else 'onednn'}=True ({asked}) cannot run on this CPU: "
-                         f"{unavailable(asked)}; leave the kernel arguments out for this CPU's default")
+                         f"{refusal}; leave the kernel arguments out for this CPU's default")
     spec = MODELS[name]
     if dtype is None and not onednn and not int8 and not packed:
         chosen, why = default_kernels(name)
