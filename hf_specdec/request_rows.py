@@ -11,8 +11,8 @@ than a second paged cache: it runs the loop's own drafting, catch-up and rollbac
 model kind, and needs nothing of the paged cache's scheduler (a draft forward is always all
 decoding rows).
 
-`RequestSampler` samples drafts as each request samples: Transformers' per-request processors
-(temperature, top-k, top-p) with the request's own arguments, the distribution kept for `verify`.
+`RequestSampler` samples drafts as each request's target step samples: through Transformers' own
+processors of the step, the distribution kept for `verify`.
 """
 from __future__ import annotations
 
@@ -40,12 +40,11 @@ class Draft:
 
 
 class RequestSampler(TokenSampler):
-    """Drafts sampled with each request's own settings: Transformers' per-request processors of
-    continuous batching, with the arguments of the request each active row follows (`follow`), or
-    with `per_request_processors` off (Transformers' default) the generation config's warpers, as
-    the target's step applies them. Processors that read the tokens (a repetition penalty) are left
-    out: the drafts then come from a distribution a little further from the target's, which
-    `verify` corrects."""
+    """Drafts sampled from what each request's target step samples from: Transformers' processors of
+    continuous batching, called as its model runner calls them (`cb.process`): per-request processors
+    with the arguments of the request each active row follows (`follow`), the generation config's
+    warpers (`per_request_processors` off, Transformers' default) as they are, and each processor
+    that reads tokens with the token fed at the position, which is what the target's gets."""
 
     def __init__(self, processors, do_sample: bool):
         super().__init__(None, do_sample)
@@ -60,8 +59,13 @@ class RequestSampler(TokenSampler):
         n, m, vocab = logits.shape
         if self.arguments is None:
             return logits
+        # position j of a row follows its prefix of length lengths + offset + j: the token fed there is its last
+        fed = batch.active_lengths().tensor + offset - 1                                  # [n]
+        fed = fed[:, None] + torch.arange(m, device=fed.device)                           # [n, m]
+        input_ids = batch.tokens[batch.active.tensor].gather(1, fed)
         per_position = self.arguments.repeat_interleave(m, 1).to(logits.device)     # [processors, n * m]
-        return cb.process(self.request_processors, logits.reshape(n * m, vocab), per_position).view(n, m, vocab)
+        return cb.process(self.request_processors, input_ids.reshape(n * m), logits.reshape(n * m, vocab),
+                          per_position).view(n, m, vocab)
 
 
 class RequestRows:

@@ -2,6 +2,7 @@
 `generate_batch` (Transformers' own), whatever the drafts, the blocks, the token budget, EOS,
 cancellation and prefix sharing; and no block leaked."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from hf_specdec.continuous_batching import SpecBatchingManager, Speculation
 from hf_specdec.drafters import LookupDrafter
 from hf_specdec.drafters.ngram import PromptLookupDrafter
 from hf_specdec.policies import resolve_policy
-from hf_specdec.testing import VOCAB, build
+from hf_specdec.testing import VOCAB, build, noisy_copy
 from hf_specdec.verify import VerifyResult, verify
 from tiny_stateful import tiny_stateful
 
@@ -417,28 +418,83 @@ def test_what_speculation_cannot_run_is_refused_before_any_work(model):
 
 
 SAMPLE_VOCAB, SAMPLE_PROMPT, SAMPLES = 6, [3, 5, 4, 3], 6000
-SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5)     # what continuous batching's processors run
+NEW, CHAIN = 5, 3      # new tokens per request (the prefill's, then a step with up to CHAIN drafts, ...)
+SAMPLING = dict(do_sample=True, temperature=0.5, top_k=2)     # at most 2 ** NEW sequences: a tight TV test
+
+
+def conditional(joint: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    """p(next token | the first new tokens `prefix`) [V] from a joint over the new tokens [V] * NEW."""
+    marginal = joint.sum(tuple(range(len(prefix) + 1, joint.ndim))) if len(prefix) + 1 < joint.ndim else joint
+    row = marginal[tuple(prefix)]
+    return row / row.sum()
+
+
+def next_token(model, sampling=SAMPLING):
+    """q(next token | the first new tokens) [V] under generate()'s own processing of `sampling`, memoized."""
+    @functools.cache
+    def probs(prefix: tuple[int, ...]) -> torch.Tensor:
+        ids = torch.tensor([SAMPLE_PROMPT + list(prefix)])
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
+                              return_dict_in_generate=True, **sampling).scores[0].softmax(-1)[0]
+    return lambda prefix: probs(tuple(prefix))
 
 
 class Greedy(LookupDrafter):
-    """Drafts the target's most likely next tokens (a point mass: any deterministic drafter is)."""
+    """Drafts the target's most likely continuation, token by token (a point mass: any deterministic
+    drafter is)."""
 
     def __init__(self, joint: torch.Tensor):
-        self.joint = joint                                       # p(t1, t2, t3) [V, V, V]
+        self.joint = joint
+
+    def q(self, prefix: list[int]) -> torch.Tensor:
+        return torch.nn.functional.one_hot(conditional(self.joint, prefix).argmax(), SAMPLE_VOCAB).float()
 
     def continuation(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        new = tokens.tolist()[len(SAMPLE_PROMPT):]
-        marginal = self.joint.sum(tuple(range(len(new) + 1, 3))) if len(new) < 2 else self.joint
-        return marginal[tuple(new)].argmax().reshape(1)[:k]
+        new, drafts = tokens.tolist()[len(SAMPLE_PROMPT):], []
+        while len(drafts) < k and len(new) < NEW:
+            drafts.append(int(self.q(new).argmax()))
+            new.append(drafts[-1])
+        return torch.tensor(drafts, dtype=torch.long)
 
 
-def sampled_joint(model, speculation, seed):
-    """Frequencies of the first three new tokens [V, V, V] over SAMPLES requests of one prompt, in
-    waves that one step prefills (no request drafts while a prompt waits)."""
-    config = generation(max_new_tokens=3, **SAMPLING)
-    results, counts = run(model, [SAMPLE_PROMPT] * SAMPLES, config, batching(max_batch_tokens=512, seed=seed),
+def expected_counts(p, q) -> tuple[float, float, float, float]:
+    """(mean, variance) of the drafts a request accepts and of those it verifies, exactly, when each
+    step drafts min(CHAIN, room - 1) tokens from q(prefix) [V] and verifies them against p(prefix)
+    by rejection sampling: every outcome enumerated (the first token comes from the prefill)."""
+    def request(prefix, room):                    # -> [(probability, accepted, drafted)]
+        return [(1.0, 0, 0)] if room == 0 else step(prefix, min(CHAIN, room - 1), room, min(CHAIN, room - 1))
+
+    def step(prefix, left, room, k):              # `left` of the step's k drafts still to verify
+        target, out = p(prefix), []
+        if left == 0:                              # the bonus token (or a step without drafts)
+            return [(target[y] * pr, a, d + k) for y in target.nonzero().flatten().tolist()
+                    for pr, a, d in request(prefix + [y], room - 1)]
+        draft = q(prefix)
+        accept, residual = torch.minimum(target, draft), (target - draft).clamp(min=0)
+        out += [(accept[x] * pr, a + 1, d) for x in accept.nonzero().flatten().tolist()
+                for pr, a, d in step(prefix + [x], left - 1, room - 1, k)]
+        out += [(residual[y] * pr, a, d + k) for y in residual.nonzero().flatten().tolist()
+                for pr, a, d in request(prefix + [y], room - 1)]
+        return out
+
+    first = p([])
+    leaves = [(first[y] * pr, a, d) for y in first.nonzero().flatten().tolist() for pr, a, d in request([y], NEW - 1)]
+    prob = torch.tensor([float(pr) for pr, _, _ in leaves])
+    moments = []
+    for values in (torch.tensor([float(a) for _, a, _ in leaves]), torch.tensor([float(d) for _, _, d in leaves])):
+        mean = (prob * values).sum()
+        moments += [float(mean), float((prob * (values - mean) ** 2).sum())]
+    return tuple(moments)
+
+
+def sampled_joint(model, speculation, seed, per_request):
+    """Frequencies of the NEW tokens [V] * NEW over SAMPLES requests of one prompt, in waves that one
+    step prefills (no request drafts while a prompt waits)."""
+    config = generation(max_new_tokens=NEW, **SAMPLING)
+    results, counts = run(model, [SAMPLE_PROMPT] * SAMPLES, config,
+                          batching(max_batch_tokens=512, seed=seed, per_request_processors=per_request),
                           speculation, wave=64)
-    frequencies = torch.zeros(SAMPLE_VOCAB, SAMPLE_VOCAB, SAMPLE_VOCAB)
+    frequencies = torch.zeros([SAMPLE_VOCAB] * NEW)
     for tokens in results.values():
         frequencies[tuple(tokens)] += 1
     return frequencies / SAMPLES, counts
@@ -457,40 +513,66 @@ def no_residual(drafts, counts, scores, draft_probs, do_sample, *args):
     return VerifyResult(result.num_accepted, torch.where(result.num_accepted < counts, redrawn, result.next_tokens))
 
 
-@pytest.mark.parametrize("drafter,broken", [("lookup", None), ("lookup", accept_all), ("model", None),
-                                            ("model", accept_all), ("model", no_residual)])
-def test_sampling_follows_the_target_and_a_broken_acceptance_is_caught(monkeypatch, drafter, broken):
-    """The first three tokens' joint distribution over SAMPLES requests is the target's (TV distance
-    within the null's spread), with a lookup's point masses and with a draft model that samples
-    with the requests' settings; each broken sampler is caught."""
+def raw_draft(processors, input_ids, scores, arguments):
+    """A draft that samples its raw logits, not through the target's warpers (lossless: its q is
+    verified, but its drafts are accepted at another rate than the warped q's)."""
+    return scores
+
+
+CONFIGURATIONS = {"config-warpers": False, "per-request-processors": True}
+
+
+@pytest.mark.parametrize("configuration,drafter,broken", [
+    *[(c, d, None) for c in CONFIGURATIONS for d in ("lookup", "model")],
+    *[("config-warpers", d, accept_all) for d in ("lookup", "model")], ("config-warpers", "model", no_residual),
+    *[(c, "model", raw_draft) for c in CONFIGURATIONS]])
+def test_sampling_follows_the_target_and_a_broken_sampler_is_caught(monkeypatch, configuration, drafter, broken):
+    """The NEW tokens' joint distribution over SAMPLES requests is the target's (TV distance within
+    the null's spread) with chains of CHAIN drafts accepted in part,
+    from a lookup's point masses and from a draft model sampling through the target's warpers (the
+    generation config's, or per request); the drafts accepted and verified are what rejection
+    sampling gives for that q (mean within 4 standard deviations). Each broken acceptance fails
+    the TV test; a draft that ignores the warpers stays lossless but fails the acceptance check.
+    (Temperature 0.5 and top-k 2 in the generation config.)"""
     from test_sampling import exact_distribution
     target = build("llama", layers=2, seed=0, vocab=SAMPLE_VOCAB, hidden=32, init=0.6)
-    exact = exact_distribution(target, torch.tensor([SAMPLE_PROMPT]), 3, SAMPLING)
+    exact = exact_distribution(target, torch.tensor([SAMPLE_PROMPT]), NEW, SAMPLING)
     # the TV distance of SAMPLES draws from `exact` itself, the test's null
     null = [0.5 * (torch.bincount(torch.multinomial(exact.flatten(), SAMPLES, replacement=True),
                                   minlength=exact.numel()) / SAMPLES - exact.flatten()).abs().sum() for _ in range(5)]
-    if broken is not None:
+    if broken is raw_draft:
+        monkeypatch.setattr("hf_specdec.request_rows.cb.process", raw_draft)
+    elif broken is not None:
         monkeypatch.setattr("hf_specdec.batch_processor.verify", broken)
-    source = {"lookup": Greedy(exact)} if drafter == "lookup" else \
-        {"draft_model": build("llama", layers=1, seed=3, vocab=SAMPLE_VOCAB, hidden=32, init=0.6)}
-    joint, counts = sampled_joint(target, speculation(2, **source), seed=1)
+    if drafter == "lookup":
+        source = {"lookup": Greedy(exact)}
+        q = source["lookup"].q
+    else:
+        source = {"draft_model": noisy_copy(target, 0.05)}      # accepts about 0.55 of its drafts
+        q = next_token(source["draft_model"])
+    joint, counts = sampled_joint(target, speculation(CHAIN, **source), 1, CONFIGURATIONS[configuration])
     tv = 0.5 * (joint - exact).abs().sum()
-    accepted, drafted = counts.accepted, counts.drafted
-    assert drafted > SAMPLES / 2 and (broken is not None or 0.2 * drafted < accepted < drafted)   # both outcomes
-    assert (tv > 2 * max(null)) == (broken is not None), f"TV {tv:.4f}, null {max(null):.4f}"
+    accepted, accepted_var, drafted, drafted_var = expected_counts(functools.partial(conditional, exact), q)
+    assert 0.3 < accepted / drafted < 0.9         # chains accepted in part: every outcome occurs
+    lossless = tv <= 2 * max(null)
+    as_expected = abs(counts.accepted - SAMPLES * accepted) < 4 * (SAMPLES * accepted_var) ** 0.5 and \
+        abs(counts.drafted - SAMPLES * drafted) < 4 * (SAMPLES * drafted_var) ** 0.5
+    detail = (f"TV {tv:.4f}, null {max(null):.4f}; accepted {counts.accepted} (expected {SAMPLES * accepted:.0f}), "
+              f"drafted {counts.drafted} (expected {SAMPLES * drafted:.0f})")
+    assert lossless == (broken in (None, raw_draft)), detail
+    if broken in (None, raw_draft):       # (a broken acceptance may keep the right share: its TV fails)
+        assert as_expected == (broken is None), detail
 
 
-def test_sampling_accepts_what_generate_accepts(model):
-    """Rejection sampling with a draft that samples as the request does: a copy of the target has
-    every draft accepted (p = q), which a rule of equality with the target's own sample would not
-    (it keeps a draft with probability p(draft)); a noisy copy accepts the share generate() does
-    with the same pair, k and settings."""
-    from hf_specdec.testing import noisy_copy
-    config = generation(max_new_tokens=20, do_sample=True, temperature=1.0)
-    got, counts = run(model, PROMPTS * 4, config, batching(seed=0), speculation(4, draft_model=copy.deepcopy(model)))
-    assert counts.accepted >= 0.98 * counts.drafted > 0
-    draft = noisy_copy(model, 0.1)
-    _, counts = run(model, PROMPTS * 8, config, batching(seed=0), speculation(4, draft_model=draft))
+@pytest.mark.parametrize("per_request", [False, True], ids=CONFIGURATIONS)
+def test_sampling_accepts_what_generate_accepts(model, per_request):
+    """Rejection sampling with a draft that samples as the request does, at temperature 0.7 and top-k
+    10 (the generation config's warpers, or per request): a noisy copy of the target accepts the
+    share generate() does with the same pair, k and settings."""
+    config = generation(max_new_tokens=20, do_sample=True, temperature=0.7, top_k=10)
+    draft = noisy_copy(model, 0.02)       # its raw logits would be accepted about 0.4, its warped ones 0.65
+    _, counts = run(model, PROMPTS * 8, config, batching(seed=0, per_request_processors=per_request),
+                    speculation(4, draft_model=draft))
     shares = [counts.accepted / counts.drafted]
     hf_specdec.enable(model)
     try:

@@ -19,10 +19,6 @@ import math
 from types import SimpleNamespace
 
 import torch
-from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
-from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-                                                    TypicalLogitsWarper)
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 
@@ -159,22 +155,15 @@ def _scheduled(states: list) -> list:
     return [SimpleNamespace(state=state, has_new_token=True) for state in states]
 
 
-# the generation config's warpers that read only the scores, not the tokens (what a draft can apply)
-SCORE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
-                 EpsilonLogitsWarper, EtaLogitsWarper)
-
-
-def process(processors, scores: torch.Tensor, arguments: torch.Tensor) -> torch.Tensor:
-    """scores [m, vocab] through the processors of a step that read only the scores, in their order:
-    the per-request ones, row i with arguments[:, i], and the generation config's warpers (what
-    Transformers' continuous batching runs with `per_request_processors` off, its default)."""
-    per_request = iter(arguments)
-    for processor in processors.logits_processor:
-        if isinstance(processor, ContinuousBatchingLogitsProcessor):
-            scores = processor(scores, next(per_request))
-        elif isinstance(processor, SCORE_WARPERS):
-            scores = processor(None, scores)
-    return scores
+def process(processors, input_ids: torch.Tensor, scores: torch.Tensor, arguments: torch.Tensor) -> torch.Tensor:
+    """scores [m, vocab] through a step's processors exactly as Transformers' model runner calls them:
+    the per-request ones with arguments [processors, m], the others (the generation config's warpers,
+    with `per_request_processors` off, its default) with input_ids [m], the token fed at each
+    position (all of a request's tokens Transformers gives a processor; it drops the repetition
+    penalty as unsupported)."""
+    if not processors.do_processing:
+        return scores
+    return processors(input_ids, scores, arguments)
 
 
 # --- the manager --------------------------------------------------------------------------------
