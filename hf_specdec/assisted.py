@@ -102,8 +102,7 @@ def translate(model, kwargs: dict) -> tuple[dict, object]:
     kwargs_before, kwargs = kwargs, dict(kwargs)
     assistant = kwargs.pop("assistant_model", None)
     call_config, own = kwargs.get("generation_config"), _config_of(assistant)
-    settings = {name: setting(name, kwargs, call_config, own, model.generation_config)
-                for name in SCHEDULE_FIELDS + LOOKUP_FIELDS}
+    settings = call_settings(model, kwargs, call_config, assistant)
     for name in SCHEDULE_FIELDS + LOOKUP_FIELDS:
         kwargs.pop(name, None)
     after = None
@@ -154,6 +153,14 @@ def drafters_and_policy(assistant, settings: dict, transformers_lengths: bool = 
     if schedule == "constant":
         return drafters, FixedLength(n) if threshold == 0 else ConfidenceThreshold(threshold, max_len=n)
     return drafters, HFHeuristic(n, threshold=threshold)
+
+
+def call_settings(model, kwargs: dict, call_config: GenerationConfig | None, assistant) -> dict:
+    """The call's assisted-generation settings (SCHEDULE_FIELDS, LOOKUP_FIELDS; None: unset): its
+    keyword, else `call_config`'s, else the assistant's own generation config's, else the model's."""
+    own = _config_of(assistant)
+    return {name: setting(name, kwargs, call_config, own, model.generation_config)
+            for name in SCHEDULE_FIELDS + LOOKUP_FIELDS}
 
 
 def setting(name: str, kwargs: dict, *configs):

@@ -81,15 +81,18 @@ def speculating(speculation: Speculation | None):
         _PENDING.reset(token)
 
 
-def speculation_from(model, generation_config, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-                     assistant_model=None, spec_policy=None) -> Speculation | None:
-    """The speculation the arguments ask for (arguments first, then the generation config's
-    fields), or None. Transformers' arguments map as in `generate()` (`assisted.py`): a draft model
-    runs "auto" unless a schedule is set, `prompt_lookup_num_tokens=n` n drafts a step; `spec_policy=`
-    wins over both."""
-    given = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size}
-    settings = {name: assisted.setting(name, given, generation_config)
-                for name in assisted.SCHEDULE_FIELDS + assisted.LOOKUP_FIELDS}
+def speculation_from(model, generation_config, *, assistant_model=None, spec_policy=None, **settings) -> Speculation | None:
+    """The speculation the arguments ask for, or None. `settings`: Transformers' assisted-generation
+    settings given on the call (num_assistant_tokens, num_assistant_tokens_schedule,
+    assistant_confidence_threshold, prompt_lookup_num_tokens, max_matching_ngram_size), read as in
+    `generate()` (`assisted.py`): the call, then `generation_config`, then the assistant's own
+    generation config, then the model's. A draft model runs "auto" unless a schedule is set,
+    `prompt_lookup_num_tokens=n` n drafts a step; `spec_policy=` wins over both."""
+    unknown = set(settings) - set(assisted.SCHEDULE_FIELDS + assisted.LOOKUP_FIELDS)
+    if unknown:
+        raise TypeError(f"unexpected speculation arguments {sorted(unknown)}; continuous batching takes "
+                        f"assistant_model=, spec_policy= and {', '.join(assisted.SCHEDULE_FIELDS + assisted.LOOKUP_FIELDS)}")
+    settings = assisted.call_settings(model, settings, generation_config, assistant_model)
     if assistant_model is None and settings["prompt_lookup_num_tokens"] is None:
         if spec_policy is not None:
             raise ValueError("spec_policy= needs a drafter: assistant_model= or prompt_lookup_num_tokens=")
@@ -183,14 +186,12 @@ def _for_speculation(cb_config: ContinuousBatchingConfig | None, workload_hints,
 
 
 def init_continuous_batching(model, original, generation_config=None, continuous_batching_config=None,
-                             workload_hints=None, *, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-                             assistant_model=None, spec_policy=None):
+                             workload_hints=None, *, assistant_model=None, spec_policy=None, **settings):
     """`model.init_continuous_batching` of an enabled model: Transformers' manager, or ours when the
-    arguments, the generation config or `speculating` ask for speculation."""
+    arguments (`speculation_from`), the generation config or `speculating` ask for speculation."""
     config = generation_config if generation_config is not None else model.generation_config
-    speculation = speculation_from(model, config, prompt_lookup_num_tokens, max_matching_ngram_size, assistant_model,
-                                   spec_policy) \
-        or _PENDING.get()
+    speculation = speculation_from(model, config, assistant_model=assistant_model, spec_policy=spec_policy,
+                                   **settings) or _PENDING.get()
     if speculation is None:
         return original(generation_config, continuous_batching_config, workload_hints)
     cached = getattr(model, "_cached_continuous_batching_manager", None)

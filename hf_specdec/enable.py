@@ -128,17 +128,18 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
 
 def generate_batch(model, original, args: tuple, kwargs: dict):
     """`generate_batch` (or a paged `generate`) with Transformers' speculation arguments:
-    `assistant_model=`, `prompt_lookup_num_tokens=` (also a generation config field),
-    `max_matching_ngram_size=`, and our `spec_policy=`. They go to our continuous batching
-    manager; the call is Transformers' own."""
+    `assistant_model=` with its settings (num_assistant_tokens, ...), `prompt_lookup_num_tokens=`,
+    `max_matching_ngram_size=`, and our `spec_policy=`, on the call or in its generation config (see
+    `continuous_batching.speculation_from`). They go to our continuous batching manager; the call
+    is Transformers' own."""
     unsupported = [name for name in _SPEC_KWARGS if name != "spec_policy" and kwargs.get(name) is not None]
     if unsupported:      # (Transformers' continuous batching would drop them silently)
         raise ValueError(f"{', '.join(unsupported)} not supported in continuous batching; give one draft as "
                          "assistant_model= or prompt_lookup_num_tokens=, and spec_policy=")
     config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
-    speculation = continuous_batching.speculation_from(
-        model, config, *(kwargs.pop(name, None) for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size",
-                                                             "assistant_model", "spec_policy")))
+    names = ("assistant_model", "spec_policy") + assisted.SCHEDULE_FIELDS + assisted.LOOKUP_FIELDS
+    speculation = continuous_batching.speculation_from(model, config, **{name: kwargs.pop(name) for name in names
+                                                                         if name in kwargs})
     if speculation is None:       # (a paged generate() already named its speculation)
         return original(*args, **kwargs)
     with continuous_batching.speculating(speculation):

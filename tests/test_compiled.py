@@ -244,18 +244,35 @@ def test_steps_that_compiled_are_marked_and_no_policy_cost(forward_clock):
 
 class _ClockEvent:
     """A CUDA event on the CPU: it records the injected clock's time (the forward clock: what the
-    forwards before it cost, as a GPU event records when the device reached it)."""
+    forwards before it cost, as a GPU event records when the device reached it), and completes only
+    once the host has waited for the device after it: the loop's host read (`host_read`), or
+    `synchronize()`, a stall that is counted (`syncs`)."""
+    pending: list = []
+    syncs = 0
 
     def __init__(self, enable_timing):
         assert enable_timing
 
     def record(self):
-        self.at = timing.now()
+        self.at, self.done = timing.now(), False
+        _ClockEvent.pending.append(self)
 
     def query(self):
-        return True
+        return self.done
+
+    def synchronize(self):
+        _ClockEvent.syncs += 1
+        _ClockEvent.device_done()
+
+    @staticmethod
+    def device_done():
+        """The host waited for the device: every event recorded so far has completed."""
+        for event in _ClockEvent.pending:
+            event.done = True
+        _ClockEvent.pending = []
 
     def elapsed_time(self, end):
+        assert self.done and end.done, "an event read before it completed"
         return (end.at - self.at) * 1000.0
 
 
@@ -280,7 +297,8 @@ def _cuda_like_backend(graph_module, example_inputs, **options):
 def test_the_default_on_cuda_s_order_of_events_drafts_with_a_perfect_cheap_draft_only(drafts, monkeypatch, forward_clock):
     """CUDA's order of events on the CPU: phase times are events, read only after a host read
     (`DecodingLoop.observe_late`: with no EOS, a plain step reads nothing, so it is observed after
-    the next one that reads, or at the call's end), shapes pad to CUDA's buckets and tiers, and the
+    the next one that reads, or at the call's end: an event completes only at a host read, and no
+    step may wait on the device for one), shapes pad to CUDA's buckets and tiers, and the
     first calls of each shape are warm-ups the policy does not count. Costs as on a GPU: a compile
     and each shape's first two calls (warm-up, recording) dearer than a call's every forward, a
     forward about as dear at 5 tokens as at 1 (the forward clock), the draft an eighth of the target. With
@@ -290,6 +308,17 @@ def test_the_default_on_cuda_s_order_of_events_drafts_with_a_perfect_cheap_draft
     monkeypatch.setattr(compiled, "pads_shapes", lambda device: True)
     monkeypatch.setattr(torch.cuda, "Event", _ClockEvent)
     monkeypatch.setattr(timing.PhaseClock, "__init__", lambda self, device: setattr(self, "events", True))
+    loop = importlib.import_module("hf_specdec.loop")
+    read, step = loop.host_read, loop.DecodingLoop.step
+    monkeypatch.setattr(loop, "host_read", lambda numbers: (read(numbers), _ClockEvent.device_done())[0])
+    waits = []            # per step: the device waits it made (each step's events are read after a host read)
+
+    def counted_step(self):
+        before = _ClockEvent.syncs
+        record = step(self)
+        waits.append(_ClockEvent.syncs - before)
+        return record
+    monkeypatch.setattr(loop.DecodingLoop, "step", counted_step)
     target, draft = layer_skip_pair(0.0, layers=8, hidden=64, vocab=512)
     if drafts == "useless":
         draft = build("llama", layers=1, seed=7, vocab=512, hidden=64, init=0.05)
@@ -307,6 +336,7 @@ def test_the_default_on_cuda_s_order_of_events_drafts_with_a_perfect_cheap_draft
         steps = out.spec_stats.steps
         drafting.append(sum(s.k > 0 for s in steps) / len(steps))
         assert_same(out.sequences, target.generate(input_ids=ids, max_new_tokens=48, do_sample=False))
+    assert sum(waits) == 0, f"{sum(waits)} waits on the device in {len(waits)} steps"
     if drafts == "perfect":
         assert drafting[1] > 0.5 and drafting[-1] > 0.5
     else:

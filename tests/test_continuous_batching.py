@@ -159,6 +159,58 @@ def test_a_draft_model_through_generate_batch(model, max_batch_tokens):
     assert {rid: o.generated_tokens for rid, o in out.items()} == expected
 
 
+ASSISTED = dict(num_assistant_tokens=3, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+WARPED = dict(do_sample=True, temperature=0.7, top_k=10)
+
+
+@pytest.mark.parametrize("route", ["paged-generate-keywords", "paged-generate-config", "generate-batch-config",
+                                   "assistant-config", "init-keywords"])
+def test_assisted_settings_and_sampling_reach_continuous_batching_by_every_route(model, monkeypatch, route):
+    """Transformers' assisted-generation settings (3 drafts a step, "constant", threshold 0: FixedLength(3))
+    reach our manager as they reach generate(): keywords of a paged generate() or of
+    init_continuous_batching, the call's generation config, the assistant's own; dropped, the
+    manager would run the default policy. Sampling at temperature 0.7 / top-k 10 given the same
+    way, a copy of the target has at least 95% of its drafts accepted."""
+    from hf_specdec.policies import FixedLength
+    from hf_specdec.batch_processor import SpecBatchProcessor
+    processors = []
+    init = SpecBatchProcessor.__init__
+    monkeypatch.setattr(SpecBatchProcessor, "__init__", lambda self, *a: (processors.append(self), init(self, *a))[1])
+    draft = copy.deepcopy(model)
+    ids = torch.tensor([p for p in PROMPTS if len(p) == 7] + [[30, 31, 32, 30, 31, 32, 30]])
+    base = dict(max_new_tokens=20, eos_token_id=-1, pad_token_id=0)
+    hf_specdec.enable(model)
+    try:
+        if route == "paged-generate-keywords":
+            model.generate(ids, cache_implementation="paged", continuous_batching_config=batching(),
+                           assistant_model=draft, **base, **WARPED, **ASSISTED)
+        elif route == "paged-generate-config":
+            model.generate(ids, generation_config=GenerationConfig(**base, **WARPED, **ASSISTED),
+                           cache_implementation="paged", continuous_batching_config=batching(), assistant_model=draft)
+        elif route == "generate-batch-config":
+            model.generate_batch(PROMPTS, GenerationConfig(**base, **WARPED, **ASSISTED), batching(),
+                                 assistant_model=draft)
+        elif route == "assistant-config":
+            draft.generation_config = GenerationConfig(**ASSISTED)
+            model.generate_batch(PROMPTS, GenerationConfig(**base, **WARPED), batching(), assistant_model=draft)
+        else:
+            manager = model.init_continuous_batching(GenerationConfig(**base, **WARPED), batching(),
+                                                     assistant_model=draft, **ASSISTED)
+            manager.start()
+            try:
+                manager.add_requests(inputs=PROMPTS, max_new_tokens=20)
+                for _ in PROMPTS:
+                    assert manager.get_result(timeout=60) is not None
+            finally:
+                manager.stop(block=True, timeout=60)
+    finally:
+        hf_specdec.disable(model)
+    [processor] = processors
+    length, counts = processor.speculation.policy.length, processor.counts
+    assert isinstance(length, FixedLength) and length.k == 3, length
+    assert counts.accepted >= 0.95 * counts.drafted > 0, (counts.accepted, counts.drafted)
+
+
 def test_a_forward_that_prefills_a_prompt_verifies_no_drafts(model, monkeypatch):
     """Requests join while others decode (a token budget of 8 chunks their prompts): no forward
     that prefills a prompt also verifies drafts, so a joining request's first token comes as soon
