@@ -7,8 +7,8 @@ around its three calls, every read or write of its internals through `_compat/cb
            prefilled, so a joining request's first token comes as soon as in Transformers' own step
            (the draft model prefills it a step behind);
   draft    the drafter proposes from the request's tokens through the contract `generate()`'s loop
-           uses (`request_rows.py`), a draft model sampling with the request's own temperature /
-           top-k / top-p (a confidence-weighing policy, AdaSpec, may stop a request's drafting early
+           uses (`request_rows.py`), a draft model sampling through the processors the target's step
+           runs (a confidence-weighing policy, AdaSpec, may stop a request's drafting early
            and trim its drafts); the pending token + drafts become the request's query, scheduled
            as Transformers schedules any query (a token budget cuts the drafts, as it cuts a prefill
            chunk); then Transformers' `prepare_next_batch`;
@@ -104,9 +104,8 @@ class SpecBatchProcessor:
         return getattr(self.processor, name)
 
     def _new_rows(self) -> RequestRows:
-        return RequestRows(self.speculation.new_drafter(), RequestSampler(self.processor.logit_processor,
-                                                                          self.processor.do_sample),
-                           self.speculation.device(self.model))
+        sampler = RequestSampler(cb.processors(self.processor), cb.samples(self.processor))
+        return RequestRows(self.speculation.new_drafter(), sampler, self.speculation.device(self.model))
 
     def reset(self) -> None:
         self._drafts, self._rows, self.drafter = {}, None, self._new_rows()
@@ -186,7 +185,7 @@ class SpecBatchProcessor:
     def _generation_step(self, model) -> None:
         start = timing.now()
         if self._rows is None:
-            self.processor._generation_step(model)
+            cb.step(self.processor, model)
         else:
             cb.forward(self.processor, model, sum(row.count for row in self._rows), self._accept)
         self._verify_s = timing.now() - start
@@ -205,17 +204,17 @@ class SpecBatchProcessor:
             tokens[i, :len(row.drafts.tokens)] = torch.tensor(row.drafts.tokens, dtype=torch.long)
         counts = torch.tensor([len(row.drafts.tokens) for row in rows])
         probs = None
-        if self.processor.do_sample and any(row.drafts.probs is not None for row in rows):
+        if cb.samples(self.processor) and any(row.drafts.probs is not None for row in rows):
             probs = target.new_zeros(len(rows), width - 1, target.shape[-1])
             for i, row in enumerate(rows):
                 if row.drafts.tokens:
                     probs[i, :len(row.drafts.tokens)] = row.drafts.probs.to(probs.device)
         tokens, counts = tokens.to(scores.device), counts.to(scores.device)
-        result = verify(tokens, counts, target, probs, self.processor.do_sample)
+        result = verify(tokens, counts, target, probs, cb.samples(self.processor))
         emitted = torch.cat([tokens, tokens.new_zeros(len(rows), 1)], 1)          # [r, k + 1]
         emitted[torch.arange(len(rows)), result.num_accepted] = result.next_tokens
         logprobs = torch.log_softmax(target, -1).gather(-1, emitted[..., None]).squeeze(-1) \
-            if self.processor.return_logprobs else None
+            if cb.returns_logprobs(self.processor) else None
         self._verdicts, lasts = {}, []
         for i, (row, accepted, out) in enumerate(zip(rows, result.num_accepted.tolist(), emitted.tolist())):
             state, _ = cb.query(row.future)
@@ -240,7 +239,7 @@ class SpecBatchProcessor:
                 if verdict is not None and verdict.drafted:
                     cb.append_tokens(state, verdict.appended, verdict.logprobs)
                     # the cache keeps the pending token and the appended drafts (the last token: not yet fed)
-                    cb.keep_query_prefix(self.processor.cache, row.future, 1 + len(verdict.appended))
+                    cb.keep_query_prefix(cb.paged_cache(self.processor), row.future, 1 + len(verdict.appended))
         scheduled = cb.scheduled(self.processor)
         has_token = {cb.request_id(cb.query(f)[0]) for f in scheduled if cb.has_new_token(f)}
         queries = {cb.request_id(state): length for state, length in map(cb.query, scheduled)}

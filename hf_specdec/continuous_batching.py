@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 from . import assisted
 from ._compat import cb, modeling, recurrent
@@ -110,34 +109,42 @@ class RequestRefused(ValueError):
     (`python -m hf_specdec serve` answers it with a 400)."""
 
 
-class SpecBatchingManager(ContinuousBatchingManager):
-    """Transformers' continuous batching manager whose batch processor speculates."""
+class SpecBatchingManager(cb.ComposingManager):
+    """Transformers' continuous batching manager whose batch processor speculates. Built by
+    `init_continuous_batching` (Transformers' own, then `adopt`ed) or directly, as Transformers' is."""
 
     PROCESSOR_WAIT_S = 60     # how long `add_request` waits for the loop to build the cache it checks against
 
     def __init__(self, model, generation_config, continuous_batching_config: ContinuousBatchingConfig,
                  workload_hints=None, *, speculation: Speculation):
         check_model(model)
-        self.speculation = speculation
-        self._processor_made = threading.Event()
         config = _for_speculation(continuous_batching_config, workload_hints, speculation)
         super().__init__(model, generation_config, config, workload_hints)
+        self._speculate_with(speculation)
 
-    def _create_batch_processor(self) -> SpecBatchProcessor:
-        """Transformers' processor, composed into ours; on a restart, ours reset."""
-        processor = getattr(self, "batch_processor", None)
-        if isinstance(processor, SpecBatchProcessor):
-            processor.reset()
-        else:
-            processor = SpecBatchProcessor(super()._create_batch_processor(), self.speculation, self.model)
+    @classmethod
+    def adopt(cls, manager, speculation: Speculation) -> "SpecBatchingManager":
+        """Transformers' manager, built for speculation (`_for_speculation`), made ours."""
+        manager = cb.adopt(manager, cls)
+        manager._speculate_with(speculation)
+        return manager
+
+    def _speculate_with(self, speculation: Speculation) -> None:
+        self.speculation = speculation
+        self._processor_made = threading.Event()
+        self._processor: SpecBatchProcessor | None = None
+
+    def compose(self, processor) -> SpecBatchProcessor:
+        # (read by `add_request`: Transformers' loop registers its processor only after this returns)
+        self._processor = SpecBatchProcessor(processor, self.speculation, self.model)
         self._processor_made.set()
-        return processor
+        return self._processor
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, *args, **kwargs) -> str | None:
         """Transformers' `add_request`, after refusing a prompt the paged cache cannot hold (`RequestRefused`):
         Transformers' loop would fail on it, and with it every request in flight and every later one."""
         if self.is_running() and self._processor_made.wait(self.PROCESSOR_WAIT_S):
-            capacity = cb.capacity(self.batch_processor.cache)
+            capacity = cb.capacity(cb.paged_cache(self._processor))
             if len(input_ids) + 1 > capacity:
                 if request_id is not None:
                     cb.forget_handler(self, request_id)
@@ -150,14 +157,11 @@ class SpecBatchingManager(ContinuousBatchingManager):
 def check_model(model) -> None:
     """Models whose continuous batching cannot speculate: sliding-window layers (a ring cache),
     recurrent or convolution layers (a state per request, which a rejected draft has passed)."""
-    if recurrent.state_kinds(model) or getattr(model, "_is_stateful", False):
+    if recurrent.state_kinds(model) or modeling.stateful(model):
         raise ValueError(f"{type(model).__name__} has recurrent or convolution layers: continuous batching keeps one "
                          "state per request, which rejected drafts would have changed; speculate with generate() "
                          "instead")
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or []
-    if "sliding_attention" in layer_types or (getattr(config, "sliding_window", None) and not layer_types
-                                              and getattr(config, "use_sliding_window", True)):
+    if modeling.sliding_window(model) is not None:
         raise ValueError(f"{type(model).__name__} has sliding-window attention layers: continuous batching keeps "
                          "them in a ring, where rejected drafts would overwrite tokens still in the window; "
                          "speculate with generate() instead")
@@ -194,14 +198,12 @@ def init_continuous_batching(model, original, generation_config=None, continuous
                                    **settings) or _PENDING.get()
     if speculation is None:
         return original(generation_config, continuous_batching_config, workload_hints)
-    cached = getattr(model, "_cached_continuous_batching_manager", None)
+    cached = cb.cached_manager(model)
     if isinstance(cached, SpecBatchingManager):          # Transformers reuses a persistent manager, as is
         return original(generation_config, continuous_batching_config, workload_hints)
     if cached is not None:
         raise ValueError("a persistent continuous batching manager without speculation exists; call "
                          "model.destroy_cached_continuous_batching_manager() first")
-    if config is None:
-        raise ValueError("A GenerationConfig must be provided or set in the model.")
-    if config.eos_token_id is None:     # as Transformers' own init_continuous_batching
-        config.eos_token_id = -1
-    return SpecBatchingManager(model, config, continuous_batching_config, workload_hints, speculation=speculation)
+    check_model(model)
+    cb_config = _for_speculation(cb.user_config(config, continuous_batching_config), workload_hints, speculation)
+    return SpecBatchingManager.adopt(original(generation_config, cb_config, workload_hints), speculation)

@@ -710,6 +710,28 @@ def test_blocks_are_hashed_only_over_tokens_in_the_cache(model, monkeypatch):
     assert not over, over
 
 
+def test_the_manager_is_built_by_transformers_own_init_continuous_batching(model, monkeypatch):
+    """An enabled model's `init_continuous_batching` runs Transformers' own (its checks, its attention
+    switch, the continuous batching config a generation config carries) and makes the manager it
+    built ours."""
+    calls = []
+    own = type(model).init_continuous_batching
+    monkeypatch.setattr(type(model), "init_continuous_batching",
+                        lambda self, *a, **k: (calls.append(a), own(self, *a, **k))[1])
+    config = generation()
+    config.continuous_batching_config = batching(num_blocks=32)      # (deprecated in Transformers, still read)
+    hf_specdec.enable(model)
+    try:
+        manager = model.init_continuous_batching(config, prompt_lookup_num_tokens=3)
+        assert isinstance(manager, SpecBatchingManager) and len(calls) == 1
+        assert manager.continuous_batching_config.num_blocks == 32 and manager.generation_config is config
+        assert manager.speculation.lookup is not None
+        out = model.generate_batch(PROMPTS, config, prompt_lookup_num_tokens=3)
+    finally:
+        hf_specdec.disable(model)
+    assert {rid: o.generated_tokens for rid, o in out.items()} == plain(model, PROMPTS, generation(), batching())
+
+
 def test_serve_speculates_with_the_draft_once_loaded_and_checks_its_arguments_first(model):
     """`python -m hf_specdec serve`'s hook on the loaded model (tests/test_serve.py runs the server):
     a bad argument fails before the model is changed; then each manager the server makes speculates."""

@@ -2,6 +2,13 @@
 and 5.25): the one seam hf_specdec's speculating batch processor composes on. Every read or write
 of its internals is a function here.
 
+Where Transformers' manager offers no seam:
+- its batch processor: the manager builds it in `_create_batch_processor` and calls its
+  `_generation_step(model)`, `prepare_next_batch()` and `update_batch()`; `ComposingManager`
+  hands the processor it built to `compose`, and what that returns is the manager's processor.
+- its class: `init_continuous_batching` builds a `ContinuousBatchingManager` by name; `adopt`
+  makes the manager it built (before it starts) an instance of a subclass.
+
 Where Transformers' processor offers no seam for a step of speculation:
 - a forward's logits: `ContinuousBatchingIOs.get_model_kwargs` gives one logit row per request and
   `ModelRunner._forward_process_and_sample` processes and samples them in one method. `forward`
@@ -19,7 +26,34 @@ import math
 from types import SimpleNamespace
 
 import torch
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
+                                                                        ContinuousBatchProcessor)
 from transformers.generation.continuous_batching.requests import RequestStatus
+
+
+# --- the processor ------------------------------------------------------------------------------
+def step(processor, model) -> None:
+    """Transformers' own step of its processor: forward, processors, sampler."""
+    processor._generation_step(model)
+
+
+def samples(processor) -> bool:
+    """Whether the processor samples (else: argmax)."""
+    return processor.do_sample
+
+
+def returns_logprobs(processor) -> bool:
+    return processor.return_logprobs
+
+
+def processors(processor):
+    """The processor's `ContinuousBatchingLogitsProcessorList` (what its step runs on the logits)."""
+    return processor.logit_processor
+
+
+def paged_cache(processor):
+    return processor.cache
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -167,6 +201,43 @@ def process(processors, input_ids: torch.Tensor, scores: torch.Tensor, arguments
 
 
 # --- the manager --------------------------------------------------------------------------------
+class ComposingManager(ContinuousBatchingManager):
+    """Transformers' continuous batching manager whose batch processor is `compose(processor)` of the
+    one Transformers builds; after a restart, the same one `reset()` (as Transformers resets its own)."""
+
+    def compose(self, processor: ContinuousBatchProcessor):
+        raise NotImplementedError
+
+    def _create_batch_processor(self):
+        composed = getattr(self, "batch_processor", None)
+        if composed is not None and not isinstance(composed, ContinuousBatchProcessor):
+            composed.reset()
+            return composed
+        return self.compose(super()._create_batch_processor())
+
+
+def adopt(manager: ContinuousBatchingManager, cls: type) -> ContinuousBatchingManager:
+    """`manager`, built by Transformers' `init_continuous_batching` and not started, made a `cls` (a
+    subclass of its class that adds methods, and attributes its caller sets)."""
+    assert issubclass(cls, type(manager)) and not manager.is_running()
+    manager.__class__ = cls
+    return manager
+
+
+def user_config(generation_config, continuous_batching_config) -> ContinuousBatchingConfig | None:
+    """The continuous batching config `init_continuous_batching` would use (None: its default):
+    the one given, else the one a generation config carries (deprecated in Transformers)."""
+    if continuous_batching_config is None and \
+            isinstance(getattr(generation_config, "continuous_batching_config", None), ContinuousBatchingConfig):
+        return generation_config.continuous_batching_config
+    return continuous_batching_config
+
+
+def cached_manager(model) -> ContinuousBatchingManager | None:
+    """The persistent manager `init_continuous_batching` would return (`generate_batch(persistent_manager=True)`)."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
+
+
 def capacity(cache) -> int:
     """The most tokens one request can hold in a paged cache of full-attention layers (the only
     kind speculation runs on): every block of the cache."""

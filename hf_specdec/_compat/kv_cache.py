@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
-from .modeling import attn_implementation, bidirectional, layer_kinds, sliding_window
+from .modeling import attn_implementation, bidirectional, layer_kinds, sliding_window, stateful
 from .recurrent import StateLayer, _runnable_state_kinds, state_kinds, state_layers
 
 # names under which generate() may hand a custom decoding loop the KV cache, newest first
@@ -109,7 +109,7 @@ def unsupported_layers(model: torch.nn.Module) -> str | None:
         return "stateful (linear_attention, not Gated DeltaNet or Mamba-2)"
     if other:
         return f"{other[0]}"
-    if getattr(model, "_is_stateful", False) and not state_kinds(model):
+    if stateful(model) and not state_kinds(model):
         return "stateful (recurrent)"
     windows = {w for kind, w in kinds if kind == "sliding_attention"}
     if len(windows) > 1:

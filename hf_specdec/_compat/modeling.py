@@ -28,6 +28,11 @@ def sliding_layers(model: torch.nn.Module) -> set[int]:
     return {i for i, (kind, _) in enumerate(layer_kinds(model)) if kind == "sliding_attention"}
 
 
+def stateful(model: torch.nn.Module) -> bool:
+    """Whether Transformers marks `model` as keeping a recurrent state (`_is_stateful`)."""
+    return bool(getattr(model, "_is_stateful", False))
+
+
 def bidirectional(model: torch.nn.Module) -> bool:
     """An encoder-style model (BERT, RoBERTa, ...) loaded as a causal LM without
     `config.is_decoder=True` attends both ways (Transformers warns at load): verifying k + 1 tokens
