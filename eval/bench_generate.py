@@ -77,7 +77,8 @@ METHODS = "plain,hf-assisted:5@draft,fixed:5@draft,auto@draft"
 def run_env(name, args, results: Results):
     env = ENVS[name]()
     model, make_inputs = env.model, batches(name, env, args)
-    factory = MethodFactory(model, draft_model=env.draft)        # drafters and policies live for the whole run
+    # drafters and policies live for the whole run
+    factory = MethodFactory(model, draft_model=env.draft, drafters=env.drafters)
     others = {}                                                  # "plain-<kernel>" -> the target with that kernel
     if name.startswith("qwen-coder"):
         from hf_specdec.embedded import load_model

@@ -6,7 +6,8 @@
   qwen-coder   Qwen2.5-Coder-1.5B-Instruct (target) with the 0.5B as draft: the real pair (fetched
                once; load_model's kernels for this CPU); qwen-coder-onednn: float32 on oneDNN linear
                layers (CPUs without bf16 matrix instructions); qwen-coder-cpu: the demo's kernels
-               for this CPU (hf_specdec.embedded.cpu_kernels)
+               for this CPU (hf_specdec.embedded.cpu_kernels), and the draft with a reduced
+               vocabulary as drafter `draft-vocab`
   smollm2      the embedded SmolLM2-135M-Instruct (fp32); drafters derived from it (bf16, int8,
                prompt lookup: eval/methods.py)
   gemma3       Gemma 3 270M (fp32; 5 of 6 layers a 512-token sliding window)
@@ -32,6 +33,7 @@ class Env:
     tokenizer: object = None         # None: the tiny models, fed random token ids
     draft: object = None             # the draft model; None: drafters derived from the target
     intermediate: object = None      # a model between draft and target, for a hierarchy
+    drafters: dict = dataclasses.field(default_factory=dict)   # more drafters by method name (@<name>)
     title: str = ""                  # the target in words, for result headings
 
 
@@ -45,10 +47,15 @@ def qwen_coder(target: dict | None = None, draft: dict | None = None) -> Env:
 
 
 def cpu_qwen_coder() -> Env:
-    from hf_specdec.embedded import cpu_kernels
+    """The demo's kernels; also @draft-vocab: the same draft with its head over DRAFT_VOCAB tokens."""
+    import hf_specdec
+    from hf_specdec.embedded import DRAFT_VOCAB, cpu_kernels, load_model
     kernels = cpu_kernels()
     env = qwen_coder(kernels.target, kernels.draft)
-    return dataclasses.replace(env, title=f"{env.title}; draft {kernels.draft_kernel} (measured: cpu_kernels)")
+    reduced, _ = load_model(QWEN[1], **kernels.draft, draft_vocab=DRAFT_VOCAB)
+    return dataclasses.replace(env, title=f"{env.title}; target {kernels.target_kernel}, draft {kernels.draft_kernel} "
+                                          f"(measured: cpu_kernels); @draft-vocab: its head over {DRAFT_VOCAB} tokens",
+                               drafters={"draft-vocab": hf_specdec.ModelDrafter(reduced, name="draft-vocab")})
 
 
 def smollm2() -> Env:

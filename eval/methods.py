@@ -158,12 +158,14 @@ class MethodFactory:
         k = method.k or 5
         if method.drafter == "pld":
             return {"prompt_lookup_num_tokens": k}
-        if self.draft_model is None:
+        named = self._drafters.get(method.drafter)       # a named model drafter's model (e.g. @draft-vocab)
+        assistant = named.model if isinstance(named, hf_specdec.ModelDrafter) else self.draft_model
+        if assistant is None:
             raise ValueError(f"method {method.name!r} needs a draft model (--draft)")
-        config = self.draft_model.generation_config
+        config = assistant.generation_config
         config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
         config.assistant_confidence_threshold = 0.0
-        return {"assistant_model": self.draft_model}
+        return {"assistant_model": assistant}
 
     def policy(self, method: Method):
         if method.name not in self._policies:

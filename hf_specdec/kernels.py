@@ -8,6 +8,9 @@ Kernels (each a way to load a model, `KERNELS`):
   fp32-packed  float32 with packed weights, as bf16-packed (with AVX2 only, one-token forwards dearer)
   int8         int8 weights, activations quantised per call (`use_int8_linears(model, "dynamic")`): a row's
                numbers depend on the rows beside it, so for a draft only
+  bf16w        float32 arithmetic on weights stored in bf16 (`weight_only.use_bf16w_linears`, our AVX2
+               kernel): half the bytes without bf16 arithmetic; each row's numbers its own at any width
+  int4         4-bit weights, bf16 activations (`weight_only.use_int4_linears`): for a draft only
 
 A kernel is probed before it is timed (`unavailable`): a small linear layer built and run with it at
 widths 1 and K + 1. One that cannot run on this CPU or torch build (oneDNN's bf16 path needs
@@ -47,9 +50,10 @@ logger = logging.getLogger(__name__)
 # name -> load_model arguments (dtype by name: the arguments are cached as JSON)
 KERNELS = {"bf16": {"dtype": "bfloat16"}, "bf16-packed": {"dtype": "bfloat16", "packed": True},
            "onednn": {"onednn": True}, "fp32-packed": {"dtype": "float32", "packed": True},
-           "int8": {"int8": "dynamic"}}
-ROLES = {"target": ("bf16", "bf16-packed", "onednn", "fp32-packed"),
-         "draft": ("bf16", "bf16-packed", "onednn", "fp32-packed", "int8")}
+           "int8": {"int8": "dynamic"}, "bf16w": {"bf16w": True}, "int4": {"int4": True},
+           "fp32": {"dtype": "float32"}}     # Transformers' own float32 layers: a baseline, not a candidate
+ROLES = {"target": ("bf16", "bf16-packed", "onednn", "fp32-packed", "bf16w"),
+         "draft": ("bf16", "bf16-packed", "onednn", "fp32-packed", "int8", "bf16w", "int4")}
 BATCHES = (1, 8)          # a lone request and a small batch: where speculation pays and where it stops
 K = 5                     # the drafts a step the model is timed for (target width K + 1); k <= K are interpolated
 ACCEPTANCE = 0.8          # the prior per-token acceptance (the real pair at k = 5: MAT 4.3-4.4, a ~ 0.85)
@@ -112,6 +116,11 @@ def load_arguments(kernel: str) -> dict:
     return {k: getattr(torch, v) if k == "dtype" else v for k, v in KERNELS[kernel].items()}
 
 
+def layer_arguments(arguments: dict) -> dict:
+    """`swap_linears` keywords of `load_model` arguments (all but the dtype)."""
+    return {k: v for k, v in arguments.items() if k != "dtype"}
+
+
 @functools.cache
 def unavailable(kernel: str) -> str | None:
     """Why `kernel` cannot run on this CPU and torch build, or None where it runs: a 64 x 64 linear
@@ -121,7 +130,7 @@ def unavailable(kernel: str) -> str | None:
     arguments = load_arguments(kernel)
     try:
         layer = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(arguments.get("dtype", torch.float32))
-        swap_linears(layer, arguments.get("onednn", False), arguments.get("int8"), arguments.get("packed", False))
+        swap_linears(layer, **layer_arguments(arguments))
         with torch.inference_mode():
             for width in (1, K + 1):
                 layer(torch.ones(1, width, 64, dtype=arguments.get("dtype", torch.float32)))
@@ -300,14 +309,17 @@ class ForwardTimer:
                 tensor.data.fill_(0.01)            # dense kernels take as long whatever the values
         arguments = load_arguments(kernel)
         model.to(arguments.get("dtype", torch.float32))
-        swap_linears(model, arguments.get("onednn", False), arguments.get("int8"), arguments.get("packed", False))
+        swap_linears(model, **layer_arguments(arguments))
         self._built = ((role, kernel), model)
         return model
 
 
-def swap_linears(model, onednn: bool = False, int8: str | None = None, packed: bool = False) -> None:
+def swap_linears(model, *, onednn: bool = False, int8: str | None = None, packed: bool = False,
+                 bf16w: bool = False, int4: bool = False) -> None:
     """`model`'s linear layers as a kernel (`load_arguments`) runs them, in place: on oneDNN
-    (`use_onednn_linears`), int8 (`use_int8_linears`) or packed (`use_packed_linears`); else unchanged."""
+    (`use_onednn_linears`), int8 (`use_int8_linears`), packed (`use_packed_linears`), bf16 weights
+    (`use_bf16w_linears`) or int4 weights (`use_int4_linears`); else unchanged."""
+    from . import weight_only
     if onednn:
         use_onednn_linears(model)
     if int8:
@@ -315,6 +327,10 @@ def swap_linears(model, onednn: bool = False, int8: str | None = None, packed: b
     if packed:
         from .packed_linear import use_packed_linears
         use_packed_linears(model)
+    if bf16w:
+        weight_only.use_bf16w_linears(model)
+    if int4:
+        weight_only.use_int4_linears(model)
 
 
 def use_int8_linears(model, kind: str) -> None:

@@ -66,12 +66,12 @@ def test_onednn_linears_compute_what_the_linear_layers_did():
 
 def test_load_model_onednn_is_float32_and_refuses_another_dtype():
     from hf_specdec.embedded import load_model
-    with pytest.raises(ValueError, match="onednn= and int8= run float32 layers"):
+    with pytest.raises(ValueError, match="onednn=, int8=, bf16w= and int4= run float32 layers"):
         load_model("smollm2-135m-instruct", dtype=torch.bfloat16, onednn=True)
     with pytest.raises(ValueError, match="int8 must be None or one of"):
         load_model("smollm2-135m-instruct", int8="int4")
     for kinds in ({"onednn": True, "int8": "dynamic"}, {"onednn": True, "packed": True}):
-        with pytest.raises(ValueError, match="give one of onednn=True, int8= and packed=True"):
+        with pytest.raises(ValueError, match="give one of onednn=True, int8=, packed=True, bf16w=True and int4=True"):
             load_model("smollm2-135m-instruct", **kinds)
     with pytest.raises(ValueError, match="packed=True runs float32 or bfloat16 layers"):
         load_model("smollm2-135m-instruct", dtype=torch.float16, packed=True)
