@@ -55,14 +55,14 @@ PROFILED = {"adaspec": lambda profile, **kw: hf_specdec.AdaSpec(profile, **kw),
             "nightjar": lambda profile, **kw: hf_specdec.Nightjar(switch_cost=profile, **kw), **LENGTH_ABLATIONS}
 SELECTORS = SELECTOR_NAMES + tuple(SELECTOR_ABLATIONS)
 LENGTH_POLICIES = tuple(n for n in NAMES if n not in SELECTOR_NAMES) + tuple(LENGTH_ABLATIONS)
-DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool")
+DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool", "draft-vocab")   # draft-vocab: the env's (eval/envs.py)
 POOL_MEMBERS = ("draft", "pld", "bf16", "fp16", "int8")
 TAKES_K = (HF_ASSISTED, "fixed", "measured", "nightjar", "adaspec", "dsd", "hf-heuristic", "nightjar-exact",
            *SELECTORS)
 STATIC = "/static"
 USAGE = (f"plain or <policy>[:k]@<drafter> with policy one of {', '.join((HF_ASSISTED,) + LENGTH_POLICIES + SELECTORS)} "
          f"(':k' for {', '.join(TAKES_K)}) and drafter one of {', '.join(DRAFTERS)}; "
-         f"{', '.join(SELECTORS)} take @pool, {HF_ASSISTED} @draft or @pld, the others a single drafter; "
+         f"{', '.join(SELECTORS)} take @pool, {HF_ASSISTED} @draft, @draft-vocab or @pld, the others a single drafter; "
          f"'{STATIC}' after any of them sets cache_implementation='static'")
 
 
@@ -89,8 +89,9 @@ def parse_method(name: str) -> Method:
     policy, colon, k = head.partition(":")
     if not at or policy not in (HF_ASSISTED,) + LENGTH_POLICIES + SELECTORS or drafter not in DRAFTERS:
         raise ValueError(f"unknown method {name!r}; use {USAGE}")
-    if policy == HF_ASSISTED and drafter not in ("draft", "pld"):
-        raise ValueError(f"method {name!r}: {HF_ASSISTED} runs Transformers' assisted generation with @draft or @pld")
+    if policy == HF_ASSISTED and drafter not in ("draft", "draft-vocab", "pld"):
+        raise ValueError(f"method {name!r}: {HF_ASSISTED} runs Transformers' assisted generation with @draft, "
+                         "@draft-vocab or @pld")
     if colon and (policy not in TAKES_K or not k.isdigit() or int(k) < (policy != "fixed")):
         raise ValueError(f"method {name!r}: ':k' takes an integer >= 1 (fixed: >= 0, our loop without drafts), "
                          f"for {', '.join(TAKES_K)} only")
@@ -145,6 +146,8 @@ class MethodFactory:
         if kind == "hier" and self.draft_model is None:
             return hf_specdec.HierarchicalDrafter(hf_specdec.self_draft(self.target, "int8"),
                                                   hf_specdec.self_draft(self.target, "bf16"), draft_len=3, cycles=2)
+        if kind == "draft-vocab":
+            raise ValueError("drafter 'draft-vocab' is the qwen-coder-cpu env's (eval/envs.py)")
         if self.draft_model is None:
             raise ValueError(f"drafter {kind!r} needs a draft model (--draft)")
         model = hf_specdec.ModelDrafter(self.draft_model, name="draft")
