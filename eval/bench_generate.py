@@ -3,7 +3,7 @@
     python eval/bench_generate.py --envs qwen-coder-onednn --batch-sizes 1 --problems 10 \
         --methods plain,hf-assisted:5@draft,fixed:5@draft,auto@draft --max-new-tokens 96 --repeats 2
 
-Environments (eval/envs.py): qwen-coder, qwen-coder-onednn, qwen-coder-cpu (the real pair on
+Environments (eval/envs.py): qwen-coder, qwen-coder-onednn, qwen-coder-cpu, qwen-coder-bf16w (the real pair on
 HumanEval problems in the chat prompt), smollm2 (drafters derived from it, on raw HumanEval prompts),
 gemma3 (on prompts that cross its sliding window while decoding: consecutive HumanEval prompts
 joined to >= 448 tokens; drafters derived from it), tiny-exact (a perfect, cheap drafter).

@@ -8,8 +8,10 @@ are almost free. Whether they are on a CPU depends on its matrix kernels. This t
 `linear(x [m, 1536], w [8960, 1536])`, the 1.5B's MLP up-projection, for m = 1 (a decode step), the
 m of a verification (3-9) and prefill-sized m, per kernel: torch's own in float32 and bfloat16 (MKL
 or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 through oneDNN
-(`hf_specdec.kernels.use_onednn_linears`), and oneDNN with the weight packed once in float32 and
-bfloat16 (`hf_specdec.packed_linear`). A model's layers each read their own weights from memory,
+(`hf_specdec.kernels.use_onednn_linears`), oneDNN with the weight packed once in float32 and
+bfloat16 (`hf_specdec.packed_linear`), and weights narrower than their arithmetic: bf16 weights in
+float32 FMAs (`hf_specdec.weight_only`, our kernel), torch's int8-weight product, the int8 dynamic
+kernel drafts use, and int4 weights. A model's layers each read their own weights from memory,
 so each time is one call's share of a pass over `COPIES` copies of the weight (more than a
 last-level cache holds); the kernels and widths are timed in rounds, interleaved, the median kept.
 A kernel that cannot run on this CPU (`hf_specdec.kernels.unavailable`: oneDNN's bf16 packing needs
@@ -30,8 +32,9 @@ from harness import arguments  # eval/ is on sys.path when run as a script
 from report import figure, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_specdec.kernels import unavailable, use_onednn_linears  # noqa: E402
+from hf_specdec.kernels import unavailable, use_int8_linears, use_onednn_linears  # noqa: E402
 from hf_specdec.packed_linear import use_packed_linears  # noqa: E402
+from hf_specdec.weight_only import use_bf16w_linears, use_int4_linears  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 6, 8, 16, 64, 256)
 IN_FEATURES, OUT_FEATURES = 1536, 8960
@@ -48,7 +51,22 @@ def time_pass(layers: list, x: torch.Tensor) -> float:
 
 # each timed kernel -> hf_specdec.kernels' name for it (whose probe says whether it runs here)
 PROBED = {"float32, oneDNN": "onednn", "float32, oneDNN packed": "fp32-packed", "bfloat16": "bf16",
-          "bfloat16, oneDNN packed": "bf16-packed"}
+          "bfloat16, oneDNN packed": "bf16-packed", "bf16 weights, float32 FMAs (bf16w)": "bf16w",
+          "int8 dynamic (draft)": "int8", "int4 weights, bf16 activations (int4)": "int4"}
+
+
+class Int8Weights(torch.nn.Module):
+    """torch's `_weight_int8pack_mm` (int8 weights, a scale per output): a library candidate for
+    weights narrower than float32, timed with bf16 activations (with float32 ones it has no fast path)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        scale = linear.weight.detach().abs().amax(1) / 127
+        self.weight = torch.round(linear.weight.detach() / scale[:, None]).to(torch.int8)
+        self.scale = scale.to(torch.bfloat16)
+
+    def forward(self, x):
+        return torch._weight_int8pack_mm(x, self.weight, self.scale)
 
 
 def kernels() -> tuple[list[tuple[str, list, torch.dtype]], dict]:
@@ -73,7 +91,13 @@ def kernels() -> tuple[list[tuple[str, list, torch.dtype]], dict]:
              ("float32, oneDNN", lambda: swapped(torch.float32, use_onednn_linears), torch.float32),
              ("float32, oneDNN packed", lambda: swapped(torch.float32, use_packed_linears), torch.float32),
              ("bfloat16", lambda: [copy.deepcopy(linear).to(torch.bfloat16) for linear in linears], torch.bfloat16),
-             ("bfloat16, oneDNN packed", lambda: swapped(torch.bfloat16, use_packed_linears), torch.bfloat16)]
+             ("bfloat16, oneDNN packed", lambda: swapped(torch.bfloat16, use_packed_linears), torch.bfloat16),
+             ("bf16 weights, float32 FMAs (bf16w)", lambda: swapped(torch.float32, use_bf16w_linears), torch.float32),
+             ("int8 weights, bf16 activations (torch _weight_int8pack_mm)",
+              lambda: [Int8Weights(linear) for linear in linears], torch.bfloat16),
+             ("int8 dynamic (draft)", lambda: swapped(torch.float32, lambda m: use_int8_linears(m, "dynamic")),
+              torch.float32),
+             ("int4 weights, bf16 activations (int4)", lambda: swapped(torch.float32, use_int4_linears), torch.float32)]
     return [(name, build(), dtype) for name, build, dtype in built if name not in skipped], skipped
 
 

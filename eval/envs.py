@@ -7,7 +7,8 @@
                once; load_model's kernels for this CPU); qwen-coder-onednn: float32 on oneDNN linear
                layers (CPUs without bf16 matrix instructions); qwen-coder-cpu: the demo's kernels
                for this CPU (hf_specdec.embedded.cpu_kernels), and the draft with a reduced
-               vocabulary as drafter `draft-vocab`
+               vocabulary as drafter `draft-vocab`; qwen-coder-bf16w: the same with the target on
+               bf16 weights in float32 arithmetic
   smollm2      the embedded SmolLM2-135M-Instruct (fp32); drafters derived from it (bf16, int8,
                prompt lookup: eval/methods.py)
   gemma3       Gemma 3 270M (fp32; 5 of 6 layers a 512-token sliding window)
@@ -46,15 +47,19 @@ def qwen_coder(target: dict | None = None, draft: dict | None = None) -> Env:
     return Env(model, tokenizer, small, title=f"Qwen2.5-Coder-1.5B-Instruct {str(model.dtype)[6:]}{onednn}")
 
 
-def cpu_qwen_coder() -> Env:
-    """The demo's kernels; also @draft-vocab: the same draft with its head over DRAFT_VOCAB tokens."""
+def cpu_qwen_coder(target: str | None = None) -> Env:
+    """The demo's kernels (target: another KERNELS name for the target); also @draft-vocab: the same
+    draft with its head over DRAFT_VOCAB tokens."""
     import hf_specdec
     from hf_specdec.embedded import DRAFT_VOCAB, cpu_kernels, load_model
+    from hf_specdec.kernels import load_arguments
     kernels = cpu_kernels()
-    env = qwen_coder(kernels.target, kernels.draft)
+    target = target or kernels.target_kernel
+    env = qwen_coder(load_arguments(target), kernels.draft)
     reduced, _ = load_model(QWEN[1], **kernels.draft, draft_vocab=DRAFT_VOCAB)
-    return dataclasses.replace(env, title=f"{env.title}; target {kernels.target_kernel}, draft {kernels.draft_kernel} "
-                                          f"(measured: cpu_kernels); @draft-vocab: its head over {DRAFT_VOCAB} tokens",
+    measured = "measured: cpu_kernels" if target == kernels.target_kernel else "target chosen by name"
+    return dataclasses.replace(env, title=f"{env.title}; target {target}, draft {kernels.draft_kernel} "
+                                          f"({measured}); @draft-vocab: its head over {DRAFT_VOCAB} tokens",
                                drafters={"draft-vocab": hf_specdec.ModelDrafter(reduced, name="draft-vocab")})
 
 
@@ -109,7 +114,7 @@ def tiny_hierarchy(distilled: bool) -> Env:
 
 
 ENVS = {"qwen-coder": qwen_coder, "qwen-coder-onednn": lambda: qwen_coder({"onednn": True}, {"onednn": True}),
-        "qwen-coder-cpu": cpu_qwen_coder, "smollm2": smollm2, "gemma3": gemma3, "tiny-exact": tiny_exact,
+        "qwen-coder-cpu": cpu_qwen_coder, "qwen-coder-bf16w": lambda: cpu_qwen_coder("bf16w"), "smollm2": smollm2, "gemma3": gemma3, "tiny-exact": tiny_exact,
         "tiny": lambda: tiny_hierarchy(False), "tiny-distilled": lambda: tiny_hierarchy(True)}
 
 

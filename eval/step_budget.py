@@ -44,6 +44,9 @@ KERNELS = {
     "bf16+int8-draft": (load_arguments("bf16"), load_arguments("int8")),
     "bf16-packed+int8-draft": (load_arguments("bf16-packed"), load_arguments("int8")),
     "fp32-packed+int8-draft": (load_arguments("fp32-packed"), load_arguments("int8")),
+    "bf16w+int8-draft": (load_arguments("bf16w"), load_arguments("int8")),
+    "onednn+int4-draft": (load_arguments("onednn"), load_arguments("int4")),
+    "onednn+int8-vocab-draft": (load_arguments("onednn"), {**load_arguments("int8"), "draft_vocab": 32768}),
 }
 SETTINGS = ("plain," + ",".join(f"fixed:{k}@draft" for k in range(9)) + ",fixed:4@pld,fixed:8@pld,fixed:4@hier,"
             "auto@draft,auto@hier")

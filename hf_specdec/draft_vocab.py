@@ -64,10 +64,10 @@ def restrict_vocab(model, kept: torch.Tensor) -> int:
     return kept.numel()
 
 
-def corpus_texts(limit: int = CORPUS_BYTES):
-    """Python's standard library sources, in a fixed order, up to `limit` bytes: code and English
-    prose that every machine with Python has (no download)."""
-    total = 0
+def corpus_texts(limit: int | None = None):
+    """Python's standard library sources, in a fixed order, up to `limit` characters (default
+    CORPUS_BYTES): code and English prose that every machine with Python has (no download)."""
+    limit, total = CORPUS_BYTES if limit is None else limit, 0
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         if "test" in path.parts or "site-packages" in path.parts:
             continue

@@ -15,7 +15,10 @@ def test_writes_every_kernel_and_row_count(tmp_path, monkeypatch):
     cpu_matmul.main(["--out", str(tmp_path / "m"), "--rounds", "1"])
     result = json.loads((tmp_path / "m.json").read_text())
     rows = result["rows"]
-    kernels = [k for k in ["float32", "float32, oneDNN", "float32, oneDNN packed", "bfloat16", "bfloat16, oneDNN packed"]
+    kernels = [k for k in ["float32", "float32, oneDNN", "float32, oneDNN packed", "bfloat16", "bfloat16, oneDNN packed",
+                           "bf16 weights, float32 FMAs (bf16w)",
+                           "int8 weights, bf16 activations (torch _weight_int8pack_mm)", "int8 dynamic (draft)",
+                           "int4 weights, bf16 activations (int4)"]
                if k not in result["skipped"]]
     assert kernels[:3] == ["float32", "float32, oneDNN", "float32, oneDNN packed"]
     assert [(r["kernel"], r["rows"]) for r in rows] == [(k, m) for k in kernels for m in (1, 4)]

@@ -80,6 +80,17 @@ def test_distribution_matches_target(setup, drafter):
     assert tv < TV_BOUND, f"TV {tv:.4f}"
 
 
+def test_distribution_matches_target_with_a_reduced_draft_vocabulary(setup):
+    """A draft that can propose 3 of the 6 tokens (draft_vocab.restrict_vocab): q is zero on the
+    others, and the residual max(0, p - q) must give them exactly the target's probability."""
+    from hf_specdec.draft_vocab import restrict_vocab
+    target, draft, prompt, exact = setup
+    reduced = noisy_copy(target, 0.3)
+    restrict_vocab(reduced, torch.tensor([0, 3, 5]))
+    tv = 0.5 * (empirical(target, reduced, prompt, N, seed=5) - exact).abs().sum()
+    assert tv < TV_BOUND, f"TV {tv:.4f}"
+
+
 def test_distribution_matches_target_under_nightjar(setup):
     """Nightjar picks k per step (0 included) from what earlier steps measured."""
     target, draft, prompt, exact = setup
