@@ -67,7 +67,7 @@ def test_method_names_for_transformers_paths():
     assert m.static and m.k == 5 and not m.ours
     assert not parse_method("plain/static").ours and parse_method("auto@draft").ours
     assert parse_method("fixed:4@draft/static").ours and parse_method("fixed:4@draft/static").static
-    with pytest.raises(ValueError, match="@draft or @pld"):
+    with pytest.raises(ValueError, match="@draft, @draft-vocab or @pld"):
         parse_method("hf-assisted@int8")
     assert MethodFactory(None).generate_kwargs(parse_method("plain/static")) == {"cache_implementation": "static"}
 
