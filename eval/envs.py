@@ -114,7 +114,8 @@ def tiny_hierarchy(distilled: bool) -> Env:
 
 
 ENVS = {"qwen-coder": qwen_coder, "qwen-coder-onednn": lambda: qwen_coder({"onednn": True}, {"onednn": True}),
-        "qwen-coder-cpu": cpu_qwen_coder, "qwen-coder-bf16w": lambda: cpu_qwen_coder("bf16w"), "smollm2": smollm2, "gemma3": gemma3, "tiny-exact": tiny_exact,
+        "qwen-coder-cpu": cpu_qwen_coder, "qwen-coder-bf16w": lambda: cpu_qwen_coder("bf16w"), "smollm2": smollm2,
+        "gemma3": gemma3, "tiny-exact": tiny_exact,
         "tiny": lambda: tiny_hierarchy(False), "tiny-distilled": lambda: tiny_hierarchy(True)}
 
 

@@ -55,7 +55,8 @@ PROFILED = {"adaspec": lambda profile, **kw: hf_specdec.AdaSpec(profile, **kw),
             "nightjar": lambda profile, **kw: hf_specdec.Nightjar(switch_cost=profile, **kw), **LENGTH_ABLATIONS}
 SELECTORS = SELECTOR_NAMES + tuple(SELECTOR_ABLATIONS)
 LENGTH_POLICIES = tuple(n for n in NAMES if n not in SELECTOR_NAMES) + tuple(LENGTH_ABLATIONS)
-DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool", "draft-vocab")   # draft-vocab: the env's (eval/envs.py)
+# draft-vocab: the env's own (eval/envs.py: the draft over its most frequent tokens)
+DRAFTERS = ("draft", "pld", "bf16", "fp16", "int8", "hier", "pool", "draft-vocab")
 POOL_MEMBERS = ("draft", "pld", "bf16", "fp16", "int8")
 TAKES_K = (HF_ASSISTED, "fixed", "measured", "nightjar", "adaspec", "dsd", "hf-heuristic", "nightjar-exact",
            *SELECTORS)
