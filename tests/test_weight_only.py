@@ -88,9 +88,12 @@ def test_a_prompt_s_forward_takes_torch_s_float32_product_of_the_same_weights():
     """Wider than PREFILL_WIDTH tokens a row (a prompt, never a verification): torch's float32
     product of the bf16-rounded weights, exactly, instead of our kernel's few-rows layout."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 71)
+    linear = torch.nn.Linear(1536, 71)
     layer = weight_only.Bf16wLinear(linear)
     assert torch.equal(layer.float32_weight(), linear.weight.detach().to(torch.bfloat16).float())
-    prompt = torch.randn(2, weight_only.PREFILL_WIDTH + 1, 96)
+    prompt = torch.randn(2, weight_only.PREFILL_WIDTH + 1, 1536)
     expected = torch.nn.functional.linear(prompt, layer.float32_weight(), linear.bias)
     assert torch.equal(layer(prompt), expected)
+    # the kernel sums in its own order: its result is not torch's, bit for bit
+    in_kernel = weight_only.bf16w_linear(prompt.reshape(-1, 1536), layer.packed_weight, layer.bias)
+    assert not torch.equal(in_kernel, expected.reshape(-1, 71))
