@@ -14,6 +14,18 @@ def spec(model, drafters, policy="fixed:4", **kwargs):
                           spec_policy=policy, **kwargs)
 
 
+def greedy_against_plain(target, draft, ids, mask, ks=(1, 3, 6), max_new_tokens=24):
+    """{k: our generate()'s output with FixedLength(k)} for greedy calls whose sequences are asserted
+    identical to plain generate()'s, row by row."""
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    outs = {}
+    for k in ks:
+        outs[k] = spec(target, [draft], hf_specdec.FixedLength(k), input_ids=ids, attention_mask=mask,
+                       max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+        assert_same(outs[k].sequences, plain)
+    return outs
+
+
 def assert_same(a, b):
     assert a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
     bad = (a != b).any(1).nonzero().flatten().tolist()

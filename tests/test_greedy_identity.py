@@ -2,7 +2,7 @@
 import pytest
 
 import hf_specdec
-from helpers import assert_same, spec
+from helpers import assert_same, greedy_against_plain, spec
 from hf_specdec.testing import build, noisy_copy, prompts
 
 ARCHS = ["llama", "qwen2", "gpt2"]
@@ -21,11 +21,7 @@ def test_greedy_matches_plain(arch, draft_kind, batch):
     target = build(arch, layers=2, seed=0)
     draft = DRAFTS[draft_kind](target, arch)
     ids, mask = prompts(batch, seed=batch)
-    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    for k in (1, 3, 6):
-        out = spec(target, [draft], hf_specdec.FixedLength(k), input_ids=ids, attention_mask=mask,
-                   max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
-        assert_same(out.sequences, plain)
+    for k, out in greedy_against_plain(target, draft, ids, mask).items():
         stats = out.spec_stats
         assert stats.tokens_generated == sum(sum(s.emitted) for s in stats.steps) > 0
         if draft_kind == "perfect":
