@@ -10,7 +10,15 @@ Two compiled functions share the work:
     a deep model as for a shallow one. A region's call costs about 0.1 ms a layer on the CPU
     (inductor's Python wrapper of the subgraph): paid once a speculative step, not every token.
 Where shapes pad (CUDA) no forward is one token wide: every forward runs the regional function,
-and CUDA graphs replay its wrappers' work for free. The rows, the width and
+and CUDA graphs replay its wrappers' work for free.
+
+Unpadded, a model's one-token forwards run eager until it has made `HOT_ONE_TOKEN` of them (over
+its calls): their inlined graph is the dearest to compile (every layer lowered, as Transformers'
+compiled plain decoding compiles), so it is compiled only where it is the hot path: a draft's
+forwards, or plain steps while speculation is off. A target's one-token forwards in a speculative
+call are rare (a last token, a step with no draft) and stay eager, so a speculative first call
+compiles the target's regional graph (one layer lowered) and the draft's, not the target's inlined
+one. The rows, the width and
 the logits kept are marked dynamic: one graph serves them all, but dynamo specialises sizes 0 and
 1, so a size of 1 has a graph of its own. The cache's capacity follows dynamo's automatic rule (a
 static-address tensor's sizes are not marked): a grown cache recompiles once, then it is dynamic.
@@ -54,6 +62,8 @@ logger = logging.getLogger(__name__)
 # to k = 1's 2), and 17 for a drafter catching up after speculation was off
 WIDTH_TIERS = (*(k + 1 for k in SPEC_TIERS if k), 17)
 MIN_ROWS = 2
+# one-token forwards a model runs eager before its inlined one-token graph is compiled (unpadded)
+HOT_ONE_TOKEN = 32
 # the first calls of a concrete shape: under CUDA graph trees a warm-up run, then the recording
 WARMUP_CALLS = 2
 
@@ -105,6 +115,7 @@ class CompiledForwards:
         self.functions: dict[bool, object] = {}     # regional? -> compiled function (made at first use)
         self.codes: list[types.CodeType] = []       # their code objects (dynamo keeps graphs per code)
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
+        self.eager_one_token = 0                # one-token forwards run eager so far (`runs_compiled`)
         self.lock = threading.Lock()            # the model's: shared by its CompiledForwards (compiled_forwards)
 
     def rows(self, n: int, first: int) -> int:
@@ -119,6 +130,14 @@ class CompiledForwards:
         """The width a forward of `width` tokens runs; None: wider than every tier (eager)."""
         tier = width_tier(width)
         return tier if tier is None or self.pads else width
+
+    def runs_compiled(self, width: int) -> bool:
+        """Whether a forward of `width` tokens runs compiled (else eager); counts the one-token
+        forwards run eager until they are hot (the module docstring)."""
+        if self.pads or width > 1 or self.eager_one_token >= HOT_ONE_TOKEN:
+            return True
+        self.eager_one_token += 1
+        return False
 
     def __call__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask,
                  position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict,

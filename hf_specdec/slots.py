@@ -221,7 +221,8 @@ class StaticSlots:
     def forward(self, runner, tokens, real, positions, keep) -> torch.Tensor:
         """As `DynamicSlots.forward`; compiled at a tier shape once the cache is allocated."""
         n, end = tokens.shape
-        tier = self.compiled.width(end) if self.compiled and self.full else None
+        compiled = self.compiled and self.full and self.compiled.runs_compiled(end)
+        tier = self.compiled.width(end) if compiled else None
         width = tier or end
         self.reserve(width)
         if self.ring is not None and self.used - self.front + width > self.ring:

@@ -63,6 +63,7 @@ def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(pa
     cache tensors. The compile is logged."""
     caplog.set_level(logging.INFO, logger="hf_specdec.compiled")
     monkeypatch.setattr(compiled, "pads_shapes", lambda device: padded)
+    monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 0)          # one-token forwards compiled from the first
     vocab, eos = 512, 500
     target = circle_model("toy", vocab=vocab, dtype=torch.float32)
     draft = circle_model("toy", vocab=vocab, alpha=0.7, dtype=torch.float32)
@@ -86,10 +87,34 @@ def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(pa
     assert not counters["graph_break"]
 
 
+def test_one_token_forwards_run_eager_until_they_are_the_hot_path(monkeypatch):
+    """Unpadded (the CPU), a model's first HOT_ONE_TOKEN one-token forwards run eager: a speculative
+    call compiles the target's wide (regional) graph and the draft's, never the target's inlined
+    one-token graph for its few plain steps; a call whose every step is plain compiles it once those
+    steps are hot, and later calls run it. Every output is exact."""
+    monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 6)
+    target = circle_model("toy", vocab=512, dtype=torch.float32)
+    draft = circle_model("toy", vocab=512, alpha=0.8, dtype=torch.float32)
+    ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(2))
+    ks = Scripted(lambda step: 0 if step in (0, 5) else 3)           # two plain steps: fewer than 6
+    _circle_call(target, draft, ids, 40, ks)
+
+    def compiled_widths(model):        # {"wide", "one token"}: the model's compiled functions made
+        (forwards,) = compiled._COMPILED[model].values()
+        return {"wide" if regional else "one token" for regional in forwards.functions}
+    assert compiled_widths(target) == {"wide"}             # the verification's regional graph only
+    assert "one token" in compiled_widths(draft)           # the draft's many one-token forwards: compiled
+    assert _circle_call(target, draft, ids, 12, "fixed:0") == 1     # hot within the call: one graph
+    assert compiled_widths(target) == {"wide", "one token"}
+    assert _circle_call(target, draft, ids, 12, "fixed:0") == 0
+    assert not counters["graph_break"]
+
+
 def test_a_call_of_one_row_runs_one_row_on_the_cpu(monkeypatch):
     """Unpadded (the CPU), a call of one row runs its compiled forwards at one row and their exact
     widths: a plain step is [1, 1], as Transformers' own compiled plain step, with every layer
     inlined (only wider forwards run the layers as compile regions)."""
+    monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 0)
     target, draft = layer_skip_pair(0.5, layers=2, hidden=64, vocab=512)
     shapes, regional, call, layer_regions = [], [], compiled.CompiledForwards.__call__, regions.layer_regions
 
@@ -187,6 +212,7 @@ def test_real_inductor_on_the_cpu_is_exact_and_compiles_once(monkeypatch):
     first tokens, so drafts are found and accepted), identical to plain, and a second call with
     another batch size and other draft lengths compiles nothing (two graphs: a step whose rows all
     found no draft is one token wide, a graph of its own)."""
+    monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 0)
     target = circle_model("toy", vocab=512, dtype=torch.float32)
     ids = torch.stack([torch.cat([torch.arange(s + 5, s + 13), torch.arange(s, s + 5)]) for s in (20, 100, 300)])
     mask = torch.ones_like(ids)
