@@ -19,9 +19,10 @@ compiled, and whether the output is plain generate()'s (eager, float32).
 Steady: the methods interleaved in this process after an untimed round that compiles them;
 seconds per call and speed over Transformers' compiled plain.
 
-Methods: plain/static (Transformers' own compiled plain generate(), its code path) and ours (fixed:4
+Methods: plain/static (Transformers' own compiled plain generate(), its code path), ours (fixed:4
 with the draft, static cache: whole forwards compiled, one-token ones with every layer inlined as
-Transformers', wider ones with the decoder layers as nested compile regions, `hf_specdec/regions.py`).
+Transformers' once they are hot, wider ones with the decoder layers as nested compile regions,
+`hf_specdec/compiled.py`, `hf_specdec/regions.py`) and default (ours with no `spec_policy`).
 Cells are written as they finish; a rerun with the same arguments resumes.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ from harness import Results, arguments, interleaved, parse, speed
 from report import figure
 
 logger = logging.getLogger("bench_first_call")
-METHODS = ("plain/static", "ours")
+METHODS = ("plain/static", "ours", "default")
 MARK = "FIRST-CALL "
 
 
@@ -72,8 +73,8 @@ def call(method: str, target, draft, prompt: dict, new_tokens: int) -> torch.Ten
                   compile_config=config)
     if method == "plain/static":
         return type(target).generate(target, **kwargs)
-    return target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy="fixed:4",
-                           **kwargs)
+    policy = "fixed:4" if method == "ours" else None         # default: no spec_policy
+    return target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy=policy, **kwargs)
 
 
 def child(method: str, new_tokens: int) -> None:
