@@ -6,7 +6,7 @@
 
 Every call compiles as a user who compiles does: `cache_implementation="static"` with
 `CompileConfig(fullgraph=True)` (and `_compile_all_devices`, Transformers' own switch, on a CPU).
-Methods, interleaved in one process after an untimed round that compiles them:
+Methods, interleaved in one process after untimed rounds until one compiles nothing:
   plain/static  Transformers' own compiled plain generate() (its code path: the class's generate())
   fixed:0       ours, every step plain (the draft never runs)
   fixed:4       ours, k = 4 with the draft
@@ -123,7 +123,8 @@ def measure(target, draft, inputs: dict, new_tokens: int, rounds: int) -> dict:
         logger.info("%s call %d: %s", method.name, len(calls[method.name]) - 1, record)
         return out.sequences
 
-    timing = interleaved([Method(m) for m in METHODS], run, rounds, device=inputs["input_ids"].device)
+    timing = interleaved([Method(m) for m in METHODS], run, rounds, device=inputs["input_ids"].device,
+                         settled=lambda: counters["stats"]["unique_graphs"])
     plain = type(target).generate(target, **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   do_sample=False)
     return {"speed": speed(timing.seconds, "plain/static"), "warmup_s": timing.warmup_seconds, "calls": calls,
@@ -143,9 +144,9 @@ def markdown(payload: dict) -> str:
                       f"a token) on {args['device']}, 32-token prompts")
     lines = [f"{pair}, {args['max_new_tokens']} new tokens, greedy; every call compiled with "
              "`cache_implementation=\"static\"`, `CompileConfig(fullgraph=True)` + `_compile_all_devices` "
-             f"(inductor). Methods interleaved in one process, {args['rounds']} timed rounds after an untimed one "
-             "that compiles; x = speed over Transformers' compiled plain (median [min, max] of per-round ratios); "
-             "first = the untimed round's seconds; = : output identical to plain generate() (eager)."]
+             f"(inductor). Methods interleaved in one process, {args['rounds']} timed rounds after untimed ones "
+             "until one compiles nothing; x = speed over Transformers' compiled plain (median [min, max] of per-round ratios); "
+             "first = the first untimed round's seconds; = : output identical to plain generate() (eager)."]
     for cell in payload["cells"]:
         lines += ["", f"### Batch {cell['batch']}", "",
                   "| method | s per call | x plain/static | first call s | = |", "|---|---:|---:|---:|:-:|"]

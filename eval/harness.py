@@ -57,15 +57,31 @@ class Timing:
     errors: dict[str, str] = field(default_factory=dict)
 
 
+SETTLE_ROUNDS = 4     # warm-up rounds at most, waiting for compiles to stop (`interleaved`)
+
+
 def interleaved(methods: list[Method], run: Callable[[Method], object], rounds: int, warmup: bool = True,
-                device: torch.device | None = None, offset: int = 0, keep_going: bool = False) -> Timing:
+                device: torch.device | None = None, offset: int = 0, keep_going: bool = False,
+                settled: Callable[[], int] | None = None) -> Timing:
     """Each method once per round, the order rotated by one each round (no method always runs
     after the same neighbour; `offset` shifts the first round's order, e.g. by the prompt chunk);
-    round 0 is an untimed warm-up when `warmup`. On a CUDA device the device is synchronised
-    around each timed call. With `keep_going`, a method that raises is logged and dropped (its
-    error in `Timing.errors`): a long run on a lent GPU keeps its other methods."""
+    round 0 is an untimed warm-up when `warmup`. With `settled` (a count such as the graphs
+    compiled so far) warm-up rounds repeat, up to SETTLE_ROUNDS, until one leaves it unmoved: a
+    compile that comes after a call's first (a one-token graph compiled once hot) is not timed.
+    On a CUDA device the device is synchronised around each timed call. With `keep_going`, a method
+    that raises is logged and dropped (its error in `Timing.errors`): a long run on a lent GPU keeps
+    its other methods."""
     timing = Timing(seconds={m.name: [] for m in methods})
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    if warmup and settled is not None:
+        for settle in range(SETTLE_ROUNDS):
+            before = settled()
+            seconds = interleaved(methods, run, 0, True, device, offset, keep_going).warmup_seconds
+            if not settle:
+                timing.warmup_seconds = seconds            # the first round's: the compiling one
+            if settled() == before:
+                break
+        warmup = False
     for r in range(rounds + warmup):
         shift = (r + offset) % len(methods)
         for method in methods[shift:] + methods[:shift]:

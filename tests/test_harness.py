@@ -85,6 +85,23 @@ def test_interleaved_rotates_the_order_each_round():
     assert speed["x"]["x"] == 2.0 and speed["x"]["x_min"] == 1.0 and speed["x"]["x_max"] == 4.0
 
 
+def test_warm_up_rounds_repeat_until_nothing_compiles():
+    """With `settled`, untimed rounds go on until one leaves the count unmoved (here a method
+    compiles in its first two calls: 3 untimed rounds), then the timed rounds run."""
+    methods = [parse_method(n) for n in ("plain", "fixed:2@draft")]
+    graphs, calls = [0], []
+
+    def run(method):
+        calls.append(method.name)
+        if method.name == "fixed:2@draft" and calls.count(method.name) <= 2:
+            graphs[0] += 1                                     # this call compiled
+    timing = harness.interleaved(methods, run, rounds=2, settled=lambda: graphs[0])
+    assert len(calls) == 2 * (3 + 2) and {len(t) for t in timing.seconds.values()} == {2}
+    assert set(timing.warmup_seconds) == {"plain", "fixed:2@draft"}
+    harness.interleaved(methods, run, rounds=1, settled=lambda: len(calls))        # never settles: bounded
+    assert len(calls) == 10 + 2 * (harness.SETTLE_ROUNDS + 1)
+
+
 def test_results_resume_only_with_the_same_arguments(tmp_path):
     results = harness.Results(tmp_path / "r", {"a": 1}, lambda p: f"{len(p['cells'])} cells\n")
     results.add({"batch": 1, "x": 1.0})
