@@ -10,7 +10,10 @@ Two compiled functions share the work:
     a deep model as for a shallow one. A region's call costs about 0.1 ms a layer on the CPU
     (inductor's Python wrapper of the subgraph): paid once a speculative step, not every token.
 Where shapes pad (CUDA) no forward is one token wide: every forward runs the regional function,
-and CUDA graphs replay its wrappers' work for free.
+and CUDA graphs replay its wrappers' work for free. The rows, the width and the logits kept are
+marked dynamic: one graph serves them all, but dynamo specialises sizes 0 and 1, so a size of 1
+has a graph of its own. The cache's capacity follows dynamo's automatic rule (a
+static-address tensor's sizes are not marked): a grown cache recompiles once, then it is dynamic.
 
 Unpadded, a model's one-token forwards run eager until it has made `HOT_ONE_TOKEN` of them (over
 its calls): their inlined graph is the dearest to compile (every layer lowered, as Transformers'
@@ -18,10 +21,8 @@ compiled plain decoding compiles), so it is compiled only where it is the hot pa
 forwards, or plain steps while speculation is off. A target's one-token forwards in a speculative
 call are rare (a last token, a step with no draft) and stay eager, so a speculative first call
 compiles the target's regional graph (one layer lowered) and the draft's, not the target's inlined
-one. The rows, the width and
-the logits kept are marked dynamic: one graph serves them all, but dynamo specialises sizes 0 and
-1, so a size of 1 has a graph of its own. The cache's capacity follows dynamo's automatic rule (a
-static-address tensor's sizes are not marked): a grown cache recompiles once, then it is dynamic.
+one (docs/results.md, "The first compiled call"); the price: a call that goes plain later compiles
+that graph then.
 
 Shapes differ by device:
   - CUDA (where `CompileConfig`'s default `mode="reduce-overhead"` runs CUDA graphs): graph trees
