@@ -145,8 +145,9 @@ def markdown(payload: dict) -> str:
     lines = [f"{pair}, {args['max_new_tokens']} new tokens, greedy; every call compiled with "
              "`cache_implementation=\"static\"`, `CompileConfig(fullgraph=True)` + `_compile_all_devices` "
              f"(inductor). Methods interleaved in one process, {args['rounds']} timed rounds after untimed ones "
-             "until one compiles nothing; x = speed over Transformers' compiled plain (median [min, max] of per-round ratios); "
-             "first = the first untimed round's seconds; = : output identical to plain generate() (eager)."]
+             "until one compiles nothing; x = speed over Transformers' compiled plain (median [min, max] of "
+             "per-round ratios); first = the first untimed round's seconds; = : output identical to plain "
+             "generate() (eager)."]
     for cell in payload["cells"]:
         lines += ["", f"### Batch {cell['batch']}", "",
                   "| method | s per call | x plain/static | first call s | = |", "|---|---:|---:|---:|:-:|"]

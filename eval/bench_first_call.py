@@ -74,7 +74,8 @@ def call(method: str, target, draft, prompt: dict, new_tokens: int) -> torch.Ten
     if method == "plain/static":
         return type(target).generate(target, **kwargs)
     policy = "fixed:4" if method == "ours" else None         # default: no spec_policy
-    return target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy=policy, **kwargs)
+    return target.generate(custom_generate=hf_specdec.generate, assistant_models=[draft], spec_policy=policy,
+                           **kwargs)
 
 
 def child(method: str, new_tokens: int) -> None:
@@ -140,8 +141,9 @@ def markdown(payload: dict) -> str:
         if cell["phase"] != "steady":
             continue
         lines += ["", f"Steady, one process, methods interleaved over {args['rounds']} timed rounds after untimed "
-                  "ones until a round compiled nothing: seconds per call, speed over plain/static (median [min, max] of per-round "
-                  "ratios).", "", "| method | s per call | x plain/static | = | first untimed round s |",
+                  "ones until a round compiled nothing: seconds per call, speed over plain/static (median "
+                  "[min, max] of per-round ratios).", "",
+                  "| method | s per call | x plain/static | = | first untimed round s |",
                   "|---|---:|---:|:-:|---:|"]
         for method, row in cell["speed"].items():
             lines.append(f"| {method} | {row['seconds']:.2f} | {row['x']:.2f} [{row['x_min']:.2f}, {row['x_max']:.2f}] "
