@@ -5,8 +5,9 @@
 Speculative decoding pays when a forward over k + 1 tokens per row costs little more than one over
 a single token: the weights are read once either way, so on a memory-bound device the extra rows
 are almost free. Whether they are on a CPU depends on its matrix kernels. This times
-`linear(x [m, 1536], w [8960, 1536])`, the 1.5B's MLP up-projection, for m = 1 (a decode step), the
-m of a verification (3-9) and prefill-sized m, per kernel: torch's own in float32 and bfloat16 (MKL
+`linear(x [m, 1536], w [8960, 1536])`, the 1.5B's MLP up-projection (or --shape IN,OUT: 384,384 is
+the projection of the compiled benchmarks' cheap pair), for m = 1 (a decode step), the m of a
+verification (3-9) and prefill-sized m, on --threads torch threads (all cores by default), per kernel: torch's own in float32 and bfloat16 (MKL
 or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 through oneDNN
 (`hf_specdec.kernels.use_onednn_linears`), oneDNN with the weight packed once in float32 and
 bfloat16 (`hf_specdec.packed_linear`), and weights narrower than their arithmetic: bf16 weights in
@@ -21,6 +22,7 @@ relative to m = 1. Writes <out>.json, <out>.md, <out>.png, stamped.
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import sys
 import time
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from harness import arguments  # eval/ is on sys.path when run as a script
+from harness import arguments, ints  # eval/ is on sys.path when run as a script
 from report import figure, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,7 +39,7 @@ from hf_specdec.packed_linear import use_packed_linears  # noqa: E402
 from hf_specdec.weight_only import use_bf16w_linears, use_int4_linears  # noqa: E402
 
 ROWS = (1, 2, 3, 5, 6, 8, 16, 64, 256)
-IN_FEATURES, OUT_FEATURES = 1536, 8960
+SHAPE = (1536, 8960)    # (in, out) features
 COPIES = 8          # 8 x 27.5 MB in bf16 (55 MB in float32): beyond the 32 MB L3 of the CPUs here
 
 
@@ -69,13 +71,13 @@ class Int8Weights(torch.nn.Module):
         return torch._weight_int8pack_mm(x, self.weight, self.scale)
 
 
-def kernels() -> tuple[list[tuple[str, list, torch.dtype]], dict]:
-    """([(kernel name, COPIES copies of the up-projection running on it, its input dtype)],
+def kernels(in_features: int, out_features: int) -> tuple[list[tuple[str, list, torch.dtype]], dict]:
+    """([(kernel name, COPIES copies of the layer running on it, its input dtype)],
     {kernel name: why it cannot run here})."""
     generator = torch.Generator().manual_seed(0)
     linears = []
     for _ in range(COPIES):
-        linear = torch.nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False)
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
         torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
         linears.append(linear)
 
@@ -105,9 +107,15 @@ def main(argv=None):
     parser = arguments(__doc__)
     parser.add_argument("--out", default="docs/results/cpu_matmul/this-cpu")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (each kernel and width once a round)")
+    parser.add_argument("--shape", type=ints, default=list(SHAPE), help="IN,OUT: the layer's features")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     args = parser.parse_args(argv)
+    if len(args.shape) != 2:
+        parser.error(f"--shape takes IN,OUT, got {args.shape}")
+    IN_FEATURES, OUT_FEATURES = args.shape
+    torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    timed, skipped = kernels()
+    timed, skipped = kernels(IN_FEATURES, OUT_FEATURES)
     inputs = {(m, dtype): torch.randn(m, IN_FEATURES, generator=torch.Generator().manual_seed(m)).to(dtype)
               for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
     seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
@@ -125,7 +133,8 @@ def main(argv=None):
                              "x_one_row": round(t / one, 2)})
     lines = [f"# linear([m, {IN_FEATURES}] x [{OUT_FEATURES}, {IN_FEATURES}]): the cost of m rows against one", "",
              f"Each time: one call's share of a pass over {COPIES} copies of the weight (read from memory, as a "
-             f"model's layers are), median of {args.rounds} rounds, kernels and widths interleaved.", "",
+             f"model's layers are), median of {args.rounds} rounds, kernels and widths interleaved; "
+             f"{args.threads} torch threads.", "",
              "| kernel | m | ms | GFLOPS | x m=1 |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['kernel']} | {r['rows']} | {r['ms']:.2f} | {r['gflops']:.1f} | {r['x_one_row']:.2f} |" for r in rows_out]
     lines += ["", "A verification of k drafts feeds m = k + 1 rows per sequence: where x m=1 grows like m, "

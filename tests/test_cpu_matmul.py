@@ -10,9 +10,8 @@ import cpu_matmul  # noqa: E402
 
 def test_writes_every_kernel_and_row_count(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_matmul, "ROWS", (1, 4))
-    monkeypatch.setattr(cpu_matmul, "IN_FEATURES", 64)
     monkeypatch.setattr(cpu_matmul, "COPIES", 2)
-    cpu_matmul.main(["--out", str(tmp_path / "m"), "--rounds", "1"])
+    cpu_matmul.main(["--out", str(tmp_path / "m"), "--rounds", "1", "--shape", "64,96", "--threads", "1"])
     result = json.loads((tmp_path / "m.json").read_text())
     rows = result["rows"]
     kernels = [k for k in ["float32", "float32, oneDNN", "float32, oneDNN packed", "bfloat16", "bfloat16, oneDNN packed",
@@ -24,17 +23,18 @@ def test_writes_every_kernel_and_row_count(tmp_path, monkeypatch):
     assert [(r["kernel"], r["rows"]) for r in rows] == [(k, m) for k in kernels for m in (1, 4)]
     assert all(r["ms"] > 0 for r in rows) and rows[0]["x_one_row"] == 1.0
     assert "cpu_matmul" in json.loads((tmp_path / "m.json").read_text())["stamp"]["machine"]
-    assert (tmp_path / "m.png").stat().st_size > 0 and "| float32 | 4 |" in (tmp_path / "m.md").read_text()
+    markdown = (tmp_path / "m.md").read_text()
+    assert (tmp_path / "m.png").stat().st_size > 0 and "| float32 | 4 |" in markdown
+    assert "linear([m, 64] x [96, 64])" in markdown and "1 torch threads" in markdown
 
 
 def test_a_kernel_that_cannot_run_here_is_named_with_its_reason_and_the_rest_timed(tmp_path, monkeypatch):
     from hf_specdec import kernels
     monkeypatch.setattr(cpu_matmul, "ROWS", (1, 4))
-    monkeypatch.setattr(cpu_matmul, "IN_FEATURES", 64)
     monkeypatch.setattr(cpu_matmul, "COPIES", 2)
     monkeypatch.setattr(cpu_matmul, "unavailable", lambda k: "RuntimeError: no bf16 path" if k == "bf16-packed"
                         else kernels.unavailable(k))
-    cpu_matmul.main(["--out", str(tmp_path / "m"), "--rounds", "1"])
+    cpu_matmul.main(["--out", str(tmp_path / "m"), "--rounds", "1", "--shape", "64,96"])
     result = json.loads((tmp_path / "m.json").read_text())
     assert result["skipped"] == {"bfloat16, oneDNN packed": "RuntimeError: no bf16 path"}
     assert "bfloat16, oneDNN packed" not in {r["kernel"] for r in result["rows"]}
