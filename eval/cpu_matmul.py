@@ -7,8 +7,8 @@ a single token: the weights are read once either way, so on a memory-bound devic
 are almost free. Whether they are on a CPU depends on its matrix kernels. This times
 `linear(x [m, 1536], w [8960, 1536])`, the 1.5B's MLP up-projection (or --shape IN,OUT: 384,384 is
 the projection of the compiled benchmarks' cheap pair), for m = 1 (a decode step), the m of a
-verification (3-9) and prefill-sized m, on --threads torch threads (all cores by default), per kernel: torch's own in float32 and bfloat16 (MKL
-or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 through oneDNN
+verification (3-9) and prefill-sized m, on --threads torch threads (all cores by default), per
+kernel: torch's own in float32 and bfloat16 (MKL or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 through oneDNN
 (`hf_specdec.kernels.use_onednn_linears`), oneDNN with the weight packed once in float32 and
 bfloat16 (`hf_specdec.packed_linear`), and weights narrower than their arithmetic: bf16 weights in
 float32 FMAs (`hf_specdec.weight_only`, our kernel), torch's int8-weight product, the int8 dynamic
@@ -103,6 +103,19 @@ def kernels(in_features: int, out_features: int) -> tuple[list[tuple[str, list, 
     return [(name, build(), dtype) for name, build, dtype in built if name not in skipped], skipped
 
 
+def time_kernels(in_features: int, out_features: int, rounds: int):
+    """{(kernel, m): seconds of each round (the first a warm-up)}, the kernels timed, those skipped."""
+    timed, skipped = kernels(in_features, out_features)
+    inputs = {(m, dtype): torch.randn(m, in_features, generator=torch.Generator().manual_seed(m)).to(dtype)
+              for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
+    seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
+    for _ in range(rounds + 1):                 # the first round warms every kernel and width up
+        for name, layers, dtype in timed:
+            for m in ROWS:
+                seconds[name, m].append(time_pass(layers, inputs[m, dtype]))
+    return seconds, timed, skipped
+
+
 def main(argv=None):
     parser = arguments(__doc__)
     parser.add_argument("--out", default="docs/results/cpu_matmul/this-cpu")
@@ -112,26 +125,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if len(args.shape) != 2:
         parser.error(f"--shape takes IN,OUT, got {args.shape}")
-    IN_FEATURES, OUT_FEATURES = args.shape
-    torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
-    timed, skipped = kernels(IN_FEATURES, OUT_FEATURES)
-    inputs = {(m, dtype): torch.randn(m, IN_FEATURES, generator=torch.Generator().manual_seed(m)).to(dtype)
-              for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
-    seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
-    for _ in range(args.rounds + 1):                 # the first round warms every kernel and width up
-        for name, layers, dtype in timed:
-            for m in ROWS:
-                seconds[name, m].append(time_pass(layers, inputs[m, dtype]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)         # (stamped with the page)
+    try:
+        with torch.no_grad():
+            print(measure(args).read_text())
+    finally:
+        torch.set_num_threads(threads)          # (a caller's, as a test's, goes on with its own)
+
+
+def measure(args) -> Path:
+    """Times the kernels at every width and writes the page; returns its markdown's path."""
+    in_features, out_features = args.shape
+    seconds, timed, skipped = time_kernels(in_features, out_features, args.rounds)
     rows_out = []
     for name, _, _ in timed:
         one = statistics.median(seconds[name, 1][1:])
         for m in ROWS:
             t = statistics.median(seconds[name, m][1:])
             rows_out.append({"kernel": name, "rows": m, "ms": round(t * 1e3, 3),
-                             "gflops": round(2 * m * IN_FEATURES * OUT_FEATURES / t / 1e9, 1),
+                             "gflops": round(2 * m * in_features * out_features / t / 1e9, 1),
                              "x_one_row": round(t / one, 2)})
-    lines = [f"# linear([m, {IN_FEATURES}] x [{OUT_FEATURES}, {IN_FEATURES}]): the cost of m rows against one", "",
+    lines = [f"# linear([m, {in_features}] x [{out_features}, {in_features}]): the cost of m rows against one", "",
              f"Each time: one call's share of a pass over {COPIES} copies of the weight (read from memory, as a "
              f"model's layers are), median of {args.rounds} rounds, kernels and widths interleaved; "
              f"{args.threads} torch threads.", "",
@@ -154,8 +169,7 @@ def main(argv=None):
             ax.legend()
     out = Path(args.out)
     payload = {"args": vars(args), "rows": rows_out, "skipped": skipped}
-    md = write_results(out.parent, out.name, payload, "\n".join(lines) + "\n", plot)
-    print(md.read_text())
+    return write_results(out.parent, out.name, payload, "\n".join(lines) + "\n", plot)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "eval"))     # the script imports its eval/ neighbours by name
 import cpu_matmul  # noqa: E402
@@ -11,7 +13,9 @@ import cpu_matmul  # noqa: E402
 def test_writes_every_kernel_and_row_count(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_matmul, "ROWS", (1, 4))
     monkeypatch.setattr(cpu_matmul, "COPIES", 2)
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
     cpu_matmul.main(["--out", str(tmp_path / "m"), "--rounds", "1", "--shape", "64,96", "--threads", "1"])
+    assert (torch.get_num_threads(), torch.is_grad_enabled()) == (threads, grad)     # the caller's, as they were
     result = json.loads((tmp_path / "m.json").read_text())
     rows = result["rows"]
     kernels = [k for k in ["float32", "float32, oneDNN", "float32, oneDNN packed", "bfloat16", "bfloat16, oneDNN packed",
@@ -26,6 +30,7 @@ def test_writes_every_kernel_and_row_count(tmp_path, monkeypatch):
     markdown = (tmp_path / "m.md").read_text()
     assert (tmp_path / "m.png").stat().st_size > 0 and "| float32 | 4 |" in markdown
     assert "linear([m, 64] x [96, 64])" in markdown and "1 torch threads" in markdown
+    assert result["stamp"]["machine"]["torch_threads"] == 1
 
 
 def test_a_kernel_that_cannot_run_here_is_named_with_its_reason_and_the_rest_timed(tmp_path, monkeypatch):
