@@ -8,11 +8,11 @@ are almost free. Whether they are on a CPU depends on its matrix kernels. This t
 `linear(x [m, 1536], w [8960, 1536])`, the 1.5B's MLP up-projection (or --shape IN,OUT: 384,384 is
 the projection of the compiled benchmarks' cheap pair), for m = 1 (a decode step), the m of a
 verification (3-9) and prefill-sized m, on --threads torch threads (all cores by default), per
-kernel: torch's own in float32 and bfloat16 (MKL or oneDNN, or torch's own for bf16 without bf16 matrix instructions), float32 through oneDNN
-(`hf_specdec.kernels.use_onednn_linears`), oneDNN with the weight packed once in float32 and
-bfloat16 (`hf_specdec.packed_linear`), and weights narrower than their arithmetic: bf16 weights in
-float32 FMAs (`hf_specdec.weight_only`, our kernel), torch's int8-weight product, the int8 dynamic
-kernel drafts use, and int4 weights. A model's layers each read their own weights from memory,
+kernel: torch's own in float32 and bfloat16 (MKL or oneDNN, or torch's own for bf16 without bf16
+matrix instructions), float32 through oneDNN (`hf_specdec.kernels.use_onednn_linears`), oneDNN
+with the weight packed once in float32 and bfloat16 (`hf_specdec.packed_linear`), and weights
+narrower than their arithmetic: bf16 weights in float32 FMAs (`hf_specdec.weight_only`, our
+kernel), torch's int8-weight product, the int8 dynamic kernel drafts use, and int4 weights. A model's layers each read their own weights from memory,
 so each time is one call's share of a pass over `COPIES` copies of the weight (more than a
 last-level cache holds); the kernels and widths are timed in rounds, interleaved, the median kept.
 A kernel that cannot run on this CPU (`hf_specdec.kernels.unavailable`: oneDNN's bf16 packing needs
@@ -103,25 +103,12 @@ def kernels(in_features: int, out_features: int) -> tuple[list[tuple[str, list, 
     return [(name, build(), dtype) for name, build, dtype in built if name not in skipped], skipped
 
 
-def time_kernels(in_features: int, out_features: int, rounds: int):
-    """{(kernel, m): seconds of each round (the first a warm-up)}, the kernels timed, those skipped."""
-    timed, skipped = kernels(in_features, out_features)
-    inputs = {(m, dtype): torch.randn(m, in_features, generator=torch.Generator().manual_seed(m)).to(dtype)
-              for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
-    seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
-    for _ in range(rounds + 1):                 # the first round warms every kernel and width up
-        for name, layers, dtype in timed:
-            for m in ROWS:
-                seconds[name, m].append(time_pass(layers, inputs[m, dtype]))
-    return seconds, timed, skipped
-
-
 def main(argv=None):
     parser = arguments(__doc__)
     parser.add_argument("--out", default="docs/results/cpu_matmul/this-cpu")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (each kernel and width once a round)")
     parser.add_argument("--shape", type=ints, default=list(SHAPE), help="IN,OUT: the layer's features")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     args = parser.parse_args(argv)
     if len(args.shape) != 2:
         parser.error(f"--shape takes IN,OUT, got {args.shape}")
@@ -137,7 +124,14 @@ def main(argv=None):
 def measure(args) -> Path:
     """Times the kernels at every width and writes the page; returns its markdown's path."""
     in_features, out_features = args.shape
-    seconds, timed, skipped = time_kernels(in_features, out_features, args.rounds)
+    timed, skipped = kernels(in_features, out_features)
+    inputs = {(m, dtype): torch.randn(m, in_features, generator=torch.Generator().manual_seed(m)).to(dtype)
+              for m in ROWS for dtype in (torch.float32, torch.bfloat16)}
+    seconds = {(name, m): [] for name, _, _ in timed for m in ROWS}
+    for _ in range(args.rounds + 1):                 # the first round warms every kernel and width up
+        for name, layers, dtype in timed:
+            for m in ROWS:
+                seconds[name, m].append(time_pass(layers, inputs[m, dtype]))
     rows_out = []
     for name, _, _ in timed:
         one = statistics.median(seconds[name, 1][1:])
