@@ -205,6 +205,23 @@ class CachedModel:
             self._keep_hidden(real, keep)
         return logits[:n, -keep:].to(device=out_device, dtype=torch.float32)
 
+    def chains(self, steps: int) -> bool:
+        """Whether `chain` runs `steps` forwards as one compiled call here: a static cache's
+        compiled forwards, where a forward's slots and positions are all it changes (no windows,
+        no recurrent states, no hidden states kept)."""
+        plain = self.window is None and self.states is None and not self.keeps_hidden
+        return plain and isinstance(self.slots, StaticSlots) and self.slots.chains(steps)
+
+    def chain(self, first: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` greedy one-token forwards, as `forward(token[:, None], None, keep=1)` each, the
+        first fed first [n], each next its argmax, in one compiled call (where `chains`). Returns
+        float32 logits [n, steps, vocab] and the tokens [n, steps] they pick (on `first`'s device)."""
+        positions = self.num_real.tensor[:, None]
+        logits, tokens = self.slots.chain(self, first[:, None].to(self.device), positions, steps)
+        self.num_real = self.num_real + steps
+        self.forwards += steps
+        return logits.to(device=first.device, dtype=torch.float32), tokens.to(first.device)
+
     def eager(self, cache, tokens, mask, positions, keep, **kwargs) -> torch.Tensor:
         """The model's own forward over `cache` (for the storages): logits [rows, >= keep, vocab]."""
         if self._logits_to_keep:

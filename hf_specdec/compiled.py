@@ -24,6 +24,14 @@ compiles the target's regional graph (one layer lowered) and the draft's, not th
 one (docs/results.md, "The first compiled call"); the price: a call that goes plain later compiles
 that graph then.
 
+Unpadded, a greedy draft's k - 1 one-token forwards of a step (each fed the last one's argmax)
+run as one compiled call, a chain (`_draft_chain`), once the model has drafted HOT_CHAIN steps of
+that k: one set of guards and one call for the step's forwards, not one a forward (a compiled
+call's guards, wrapper and our bookkeeping are most of a small draft's forward on the CPU). A
+chain inlines its k - 1 forwards, so each k is a graph of its own that compiles as k - 1
+one-token graphs: only the k a policy keeps choosing compile one, and not within a first call
+of a few dozen steps. (Padded, CUDA graphs replay a forward's wrappers for free.)
+
 Shapes differ by device:
   - CUDA (where `CompileConfig`'s default `mode="reduce-overhead"` runs CUDA graphs): graph trees
     record one CUDA graph per concrete shape, so forwards pad to few: rows to a power of two of at
@@ -65,6 +73,9 @@ WIDTH_TIERS = (*(k + 1 for k in SPEC_TIERS if k), 17)
 MIN_ROWS = 2
 # one-token forwards a model runs eager before its inlined one-token graph is compiled (unpadded)
 HOT_ONE_TOKEN = 32
+# drafting steps of one k a model runs one forward at a time before its chain of k - 1 forwards
+# is compiled as one graph (unpadded: `CompiledForwards.chain`)
+HOT_CHAIN = 64
 # the first calls of a concrete shape: under CUDA graph trees a warm-up run, then the recording
 WARMUP_CALLS = 2
 
@@ -113,10 +124,11 @@ class CompiledForwards:
         self.options["dynamic"] = True if self.options.get("dynamic") else None
         self.key = (repr(sorted(compile_config.to_dict().items())), str(device))
         self.pads = pads_shapes(device)
-        self.functions: dict[bool, object] = {}     # regional? -> compiled function (made at first use)
+        self.functions: dict = {}      # regional? or ("chain", steps) -> compiled function (made at first use)
         self.codes: list[types.CodeType] = []       # their code objects (dynamo keeps graphs per code)
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
         self.eager_one_token = 0                # one-token forwards run eager so far (`runs_compiled`)
+        self.chains_asked: dict[int, int] = {}  # chain length -> drafting steps that asked for it (`runs_chain`)
         self.lock = threading.Lock()            # the model's: shared by its CompiledForwards (compiled_forwards)
 
     def rows(self, n: int, first: int) -> int:
@@ -131,6 +143,15 @@ class CompiledForwards:
         """The width a forward of `width` tokens runs; None: wider than every tier (eager)."""
         tier = width_tier(width)
         return tier if tier is None or self.pads else width
+
+    def runs_chain(self, steps: int) -> bool:
+        """Whether a draft's `steps` one-token forwards run as one compiled chain (`chain`): once
+        the model drafted with this many HOT_CHAIN times (over its calls: a chain of each k is a
+        graph of its own, compiled only for the k a policy keeps using)."""
+        if self.pads or steps < 2:
+            return False
+        asked = self.chains_asked[steps] = self.chains_asked.get(steps, 0) + 1
+        return asked > HOT_CHAIN
 
     def runs_compiled(self, width: int) -> bool:
         """Whether a forward of `width` tokens runs compiled (else eager); counts the one-token
@@ -166,26 +187,64 @@ class CompiledForwards:
         for t in (cache_position, keep):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         key = (*input_ids.shape, masks[0].shape[-1], len(keep), cache_address)
-        calls = self.calls[key] = self.calls.get(key, 0) + 1
         regional = input_ids.shape[1] > 1
-        if regional not in self.functions:
+        logits = self._run(regional, _forward, key, warmups, model, input_ids, attention_mask, position_ids,
+                           cache_position, cache_kwargs, keep)
+        return logits[:, columns.start - start:columns.stop - start].clone()      # (the next call overwrites a CUDA graph's outputs)
+
+    def chain(self, model: torch.nn.Module, first: torch.Tensor, attention_mask: torch.Tensor,
+              position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict, steps: int,
+              cache_address: int, warmups: WarmupCount) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` greedy one-token forwards in one compiled call (`_draft_chain`: first [rows, 1],
+        the slot mask [rows, slots] with the chain's slots holes, position_ids [rows, 1] and
+        cache_position [1] of the first). Returns copies of the logits [rows, steps, vocab] and of
+        their argmax [rows, steps]."""
+        for t in (first, attention_mask, position_ids):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        key = ("chain", steps, *first.shape, attention_mask.shape[-1], cache_address)
+        logits, tokens = self._run(("chain", steps), _draft_chain, key, warmups, model, first, attention_mask, position_ids,
+                                   cache_position, cache_kwargs, steps)
+        return logits.clone(), tokens.clone()
+
+    def _run(self, kind, function, key: tuple, warmups: WarmupCount, model: torch.nn.Module, *args):
+        """function(model, *args) compiled, the compiled function of `kind` made at its first use;
+        a call at a new shape `key`, or one that compiled, counts in `warmups`."""
+        calls = self.calls[key] = self.calls.get(key, 0) + 1
+        if kind not in self.functions:
             hub_kernels.thread_safe_kernel_funcs()      # other threads decode while this one compiles
             # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object,
             # and what its automatic-dynamic rule learnt per code name: a name of its own, so another
             # model's shapes decide nothing here
-            name = f"compiled_forward_{next(_names)}"
-            fresh = types.FunctionType(_forward.__code__.replace(co_name=name), _forward.__globals__, name)
-            self.functions[regional] = torch.compile(fresh, **self.options)
+            name = f"compiled_{function.__name__.strip('_')}_{next(_names)}"
+            fresh = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__, name)
+            self.functions[kind] = torch.compile(fresh, **self.options)
             self.codes.append(fresh.__code__)
         # one compiled forward of a model at a time: a wide one installs the layers' regions on the
         # shared model, which a one-token trace in another thread would see and guard on
         with self.lock, compile_log(model) as compiled, \
-                regions.layer_regions(model) if regional else contextlib.nullcontext():
-            logits = self.functions[regional](model, input_ids, attention_mask, position_ids, cache_position,
-                                              cache_kwargs, keep)
+                regions.layer_regions(model) if kind is True else contextlib.nullcontext():
+            out = self.functions[kind](model, *args)
         if calls <= WARMUP_CALLS or compiled["graphs"]:      # (a guard that failed compiles a seen shape anew)
             warmups.calls += 1
-        return logits[:, columns.start - start:columns.stop - start].clone()      # (the next call overwrites a CUDA graph's outputs)
+        return out
+
+
+def _draft_chain(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs, steps):
+    """A draft's `steps` greedy one-token forwards, each fed the last one's argmax (one graph: one
+    set of guards and one call for them all, not one a forward). input_ids [rows, 1]: the first
+    token fed; attention_mask [rows, slots] with the chain's slots holes (each forward makes its
+    own slot real); position_ids [rows, 1] and cache_position [1]: the first token's. Returns the
+    logits [rows, steps, vocab] and their argmax [rows, steps] (what the next forward was fed)."""
+    slot = torch.arange(attention_mask.shape[1], device=input_ids.device)
+    logits, tokens = [], []
+    for j in range(steps):
+        attention_mask = attention_mask | (slot == cache_position + j)[None]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids + j,
+                    cache_position=cache_position + j, use_cache=True, logits_to_keep=1, **cache_kwargs).logits[:, -1]
+        input_ids = out.argmax(-1, keepdim=True)
+        logits.append(out)
+        tokens.append(input_ids)
+    return torch.stack(logits, 1), torch.cat(tokens, 1)
 
 
 @contextlib.contextmanager

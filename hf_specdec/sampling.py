@@ -42,6 +42,8 @@ class TokenSampler:
         self.ensemble_weight = ensemble_weight
         self.keeps_probs = do_sample or ensemble_weight is not None     # drafters hand over q
         self._position_free = all(isinstance(p, _POSITION_FREE) for p in self.processors)
+        # its picks are the argmax of the raw logits (what a drafter may pick inside a compiled graph)
+        self.picks_argmax = not do_sample and not self.processors and ensemble_weight is None
 
     def scores(self, batch: SequenceBatch, logits: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """Processed scores for `logits` [n, m, vocab] of the active rows, whose position j

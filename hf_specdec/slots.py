@@ -115,6 +115,27 @@ class DynamicSlots:
         self.used, self.front = keep, front
         self.moves += 1
 
+    def chains(self, steps: int) -> bool:
+        """Whether a draft's `steps` one-token forwards run as one compiled chain (`chain`)."""
+        return bool(self.compiled and self.full) and self.compiled.runs_chain(steps)
+
+    def chain(self, runner, first: torch.Tensor, positions: torch.Tensor, steps: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` greedy one-token forwards in one compiled call (`CompiledForwards.chain`): first
+        [n, 1] fed at `positions` [n, 1], then each forward's argmax. Returns logits [n, steps, vocab]
+        and tokens [n, steps]."""
+        n = first.shape[0]
+        self.reserve(steps)
+        self._mask[:self.rows, self.used:self.used + steps] = False      # the graph makes each real
+        first, positions = (_pad(t, self.rows, 1) for t in (first, positions))
+        cache_position = kv_cache.static_cache_position(self.used, 1, first.device)
+        logits, tokens = self.compiled.chain(runner.model, first, self._mask[:self.rows], positions, cache_position,
+                                             kv_cache.cache_kwargs(runner.model, self.cache), steps,
+                                             self.full[0][0].data_ptr(), self.warmups)
+        self._mask[:n, self.used:self.used + steps] = True
+        self.used += steps
+        return logits[:n], tokens[:n]
+
     def window_columns(self, mask: torch.Tensor) -> torch.Tensor:
         """A sliding-window layer's mask [..., used] -> the columns of the slots it holds."""
         return mask[..., self.front:]
@@ -249,6 +270,27 @@ class StaticSlots:
         if tier > end:     # the padding's slots are not kept: the next forward writes over them (a
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits
+
+    def chains(self, steps: int) -> bool:
+        """Whether a draft's `steps` one-token forwards run as one compiled chain (`chain`)."""
+        return bool(self.compiled and self.full) and self.compiled.runs_chain(steps)
+
+    def chain(self, runner, first: torch.Tensor, positions: torch.Tensor, steps: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` greedy one-token forwards in one compiled call (`CompiledForwards.chain`): first
+        [n, 1] fed at `positions` [n, 1], then each forward's argmax. Returns logits [n, steps, vocab]
+        and tokens [n, steps]."""
+        n = first.shape[0]
+        self.reserve(steps)
+        self._mask[:self.rows, self.used:self.used + steps] = False      # the graph makes each real
+        first, positions = (_pad(t, self.rows, 1) for t in (first, positions))
+        cache_position = kv_cache.static_cache_position(self.used, 1, first.device)
+        logits, tokens = self.compiled.chain(runner.model, first, self._mask[:self.rows], positions, cache_position,
+                                             kv_cache.cache_kwargs(runner.model, self.cache), steps,
+                                             self.full[0][0].data_ptr(), self.warmups)
+        self._mask[:n, self.used:self.used + steps] = True
+        self.used += steps
+        return logits[:n], tokens[:n]
 
     def window_columns(self, mask: torch.Tensor) -> torch.Tensor:
         """A sliding-window layer's mask [..., capacity] -> [..., ring]: the slots its ring holds."""

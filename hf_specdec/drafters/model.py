@@ -63,6 +63,22 @@ def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, continue_
     return Proposal(tokens, counts, dist if probs else None, confidence), torch.stack(seen, 1)
 
 
+def chained_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, logits: torch.Tensor,
+                   chain: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[Proposal, torch.Tensor]:
+    """`sample_drafts` for a sampler that `picks_argmax`, without `continue_drafting`: the first
+    draft from logits [n, 1, vocab], the other k - 1 from chain(first draft [n], k - 1) -> (their
+    logits [n, k - 1, vocab], tokens [n, k - 1]): one call for the draft's forwards, not one each."""
+    first = logits[:, 0].argmax(-1)                                     # [n]
+    later_logits, later = chain(first, k - 1)
+    tokens = torch.cat([first[:, None], later], 1)                     # [n, k]
+    rows, start = batch.active.tensor, batch.active_lengths().tensor
+    batch.tokens[rows[:, None], start[:, None] + torch.arange(k, device=start.device)] = tokens
+    seen = torch.cat([logits, later_logits], 1)                         # [n, k, vocab]
+    confidence = sampler.probs(seen).gather(2, tokens[..., None]).squeeze(2)
+    return Proposal(tokens, RowInts(torch.full_like(start, k), [k] * len(start)), None, confidence), seen
+
+
 class ModelDrafter(Drafter):
     scorable = True
 
@@ -97,8 +113,11 @@ class ModelDrafter(Drafter):
         # k - 1 one-token forwards, each padded to width 2 on a compiled cache and stepped back over
         # the pad, so the last one writes the region's k-th slot
         self._region = self.runner.open_region(0, k)
-        proposal, self._known = sample_drafts(self.sampler, batch, k, continue_drafting, logits,
-                                              lambda token: self.runner.forward(token[:, None], None, keep=1))
+        if continue_drafting is None and self.sampler.picks_argmax and self.runner.chains(k - 1):
+            proposal, self._known = chained_drafts(self.sampler, batch, k, logits, self.runner.chain)
+        else:
+            proposal, self._known = sample_drafts(self.sampler, batch, k, continue_drafting, logits,
+                                                  lambda token: self.runner.forward(token[:, None], None, keep=1))
         self._fed_drafts = proposal.tokens.shape[1] - 1  # the last draft was never fed
         self._known_start = start.clone()                # _known [n, k', vocab] predicts start .. start+k'-1
         return proposal
