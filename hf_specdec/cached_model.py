@@ -181,18 +181,7 @@ class CachedModel:
             given = torch.ones(tokens.shape, dtype=torch.bool, device=self.device) if real is None else real
             tokens, given, arranged = self.states.arrange(tokens.to(self.device), given.to(self.device), self.num_slots)
             real = None if real is None else given
-        if real is None:        # (a drafter's one-token forwards: their positions in the fewest ops)
-            real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
-            positions = self.num_real.tensor[:, None]
-            if width > 1:
-                positions = positions + torch.arange(width, device=self.device)
-            self.num_real = self.num_real + width
-        else:
-            real = real.to(self.device)
-            positions = (self.num_real.tensor[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
-            self.num_real = RowInts(self.num_real.tensor + real.sum(1), None if counts is None or self.num_real.host is None
-                                    else [a + b for a, b in zip(self.num_real.host, counts)])
-        tokens = tokens.to(self.device)
+        tokens, real, positions = self._positions(tokens.to(self.device), real, counts)
         if arranged is None:
             logits = self.slots.forward(self, tokens, real, positions, keep)
         else:
@@ -205,22 +194,46 @@ class CachedModel:
             self._keep_hidden(real, keep)
         return logits[:n, -keep:].to(device=out_device, dtype=torch.float32)
 
-    def chains(self, steps: int) -> bool:
-        """Whether `chain` runs `steps` forwards as one compiled call here: a static cache's
-        compiled forwards, where a forward's slots and positions are all it changes (no windows,
-        no recurrent states, no hidden states kept)."""
+    def fuses_draft_step(self, width: int, forwards: int) -> bool:
+        """Whether `draft_step` runs its forwards (the first `width` wide) as one compiled call: a
+        static cache's compiled forwards, where a forward's slots and positions are all it changes
+        (no windows, no recurrent states, no hidden states kept), a catch-up of at most 2 tokens
+        (a step's usual lag: its bonus token, and its last draft when every draft was accepted)."""
         plain = self.window is None and self.states is None and not self.keeps_hidden
-        return plain and isinstance(self.slots, StaticSlots) and self.slots.chains(steps)
+        return (plain and isinstance(self.slots, StaticSlots) and width <= 2
+                and self.slots.fuses_draft_step(width, forwards))
 
-    def chain(self, first: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`steps` greedy one-token forwards, as `forward(token[:, None], None, keep=1)` each, the
-        first fed first [n], each next its argmax, in one compiled call (where `chains`). Returns
-        float32 logits [n, steps, vocab] and the tokens [n, steps] they pick (on `first`'s device)."""
-        positions = self.num_real.tensor[:, None]
-        logits, tokens = self.slots.chain(self, first[:, None].to(self.device), positions, steps)
-        self.num_real = self.num_real + steps
-        self.forwards += steps
-        return logits.to(device=first.device, dtype=torch.float32), tokens.to(first.device)
+    def draft_step(self, tokens: torch.Tensor, real: torch.Tensor | None, counts: list[int] | None,
+                   forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy draft step in one compiled call (where `fuses_draft_step`): `forward(tokens, real,
+        counts, keep=1)`, then forwards - 1 times `forward(token[:, None], None, keep=1)` of the last
+        one's argmax. Returns float32 logits [n, forwards, vocab] and their argmax [n, forwards] (on
+        the device of `tokens`)."""
+        out_device = tokens.device
+        tokens, real, positions = self._positions(tokens.to(self.device), real, counts)
+        after = self.num_real.tensor[:, None]               # the first draft's position
+        logits, picked = self.slots.draft_step(self, tokens, real, positions, after, forwards)
+        self.num_real = self.num_real + (forwards - 1)
+        self.forwards += forwards
+        return logits.to(device=out_device, dtype=torch.float32), picked.to(out_device)
+
+    def _positions(self, tokens: torch.Tensor, real: torch.Tensor | None, counts: list[int] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a forward of tokens [n, w] (real: as `forward`'s): the tokens, the real mask and the
+        positions [n, w] (each slot's real slots before it); the real slots are counted in."""
+        width = tokens.shape[1]
+        if real is None:        # (a drafter's one-token forwards: their positions in the fewest ops)
+            real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)
+            positions = self.num_real.tensor[:, None]
+            if width > 1:
+                positions = positions + torch.arange(width, device=self.device)
+            self.num_real = self.num_real + width
+        else:
+            real = real.to(self.device)
+            positions = (self.num_real.tensor[:, None] + real.long().cumsum(1) - 1).clamp(min=0)
+            self.num_real = RowInts(self.num_real.tensor + real.sum(1), None if counts is None or self.num_real.host is None
+                                    else [a + b for a, b in zip(self.num_real.host, counts)])
+        return tokens, real, positions
 
     def eager(self, cache, tokens, mask, positions, keep, **kwargs) -> torch.Tensor:
         """The model's own forward over `cache` (for the storages): logits [rows, >= keep, vocab]."""

@@ -24,13 +24,14 @@ compiles the target's regional graph (one layer lowered) and the draft's, not th
 one (docs/results.md, "The first compiled call"); the price: a call that goes plain later compiles
 that graph then.
 
-Unpadded, a greedy draft's k - 1 one-token forwards of a step (each fed the last one's argmax)
-run as one compiled call, a chain (`_draft_chain`), once the model has drafted HOT_CHAIN steps of
-that k: one set of guards and one call for the step's forwards, not one a forward (a compiled
-call's guards, wrapper and our bookkeeping are most of a small draft's forward on the CPU). A
-chain inlines its k - 1 forwards, so each k is a graph of its own that compiles as k - 1
-one-token graphs: only the k a policy keeps choosing compile one, and not within a first call
-of a few dozen steps. (Padded, CUDA graphs replay a forward's wrappers for free.)
+Unpadded, a greedy draft step (the catch-up forward of the tokens the draft has not fed, then
+k - 1 one-token forwards, each of the last one's argmax) runs as one compiled call (`_draft_step`)
+once the model has drafted HOT_DRAFT_STEP steps of that shape: one set of guards and one call for
+the step, not one a forward (a compiled call's guards, wrapper and our bookkeeping are most of a
+small draft's forward on the CPU). Its forwards are inlined, so each k (and catch-up width, 1 or
+2) is a graph of its own that compiles as k one-token graphs: only the shapes a policy keeps
+choosing compile one, and not within a first call of a few dozen steps. (Padded, CUDA graphs
+replay a forward's wrappers for free.)
 
 Shapes differ by device:
   - CUDA (where `CompileConfig`'s default `mode="reduce-overhead"` runs CUDA graphs): graph trees
@@ -73,9 +74,9 @@ WIDTH_TIERS = (*(k + 1 for k in SPEC_TIERS if k), 17)
 MIN_ROWS = 2
 # one-token forwards a model runs eager before its inlined one-token graph is compiled (unpadded)
 HOT_ONE_TOKEN = 32
-# drafting steps of one k a model runs one forward at a time before its chain of k - 1 forwards
-# is compiled as one graph (unpadded: `CompiledForwards.chain`)
-HOT_CHAIN = 64
+# draft steps of one shape a model runs one forward at a time before they are compiled as one
+# graph (unpadded: `CompiledForwards.draft_step`)
+HOT_DRAFT_STEP = 64
 # the first calls of a concrete shape: under CUDA graph trees a warm-up run, then the recording
 WARMUP_CALLS = 2
 
@@ -124,11 +125,11 @@ class CompiledForwards:
         self.options["dynamic"] = True if self.options.get("dynamic") else None
         self.key = (repr(sorted(compile_config.to_dict().items())), str(device))
         self.pads = pads_shapes(device)
-        self.functions: dict = {}      # regional? or ("chain", steps) -> compiled function (made at first use)
+        self.functions: dict = {}      # regional?, or ("draft step", forwards) -> compiled function (made at first use)
         self.codes: list[types.CodeType] = []       # their code objects (dynamo keeps graphs per code)
         self.calls: dict[tuple, int] = {}       # concrete shape (and cache address) -> calls so far
         self.eager_one_token = 0                # one-token forwards run eager so far (`runs_compiled`)
-        self.chains_asked: dict[int, int] = {}  # chain length -> drafting steps that asked for it (`runs_chain`)
+        self.draft_steps_asked: dict[tuple, int] = {}   # (width, forwards) -> draft steps so far (`runs_draft_step`)
         self.lock = threading.Lock()            # the model's: shared by its CompiledForwards (compiled_forwards)
 
     def rows(self, n: int, first: int) -> int:
@@ -144,14 +145,15 @@ class CompiledForwards:
         tier = width_tier(width)
         return tier if tier is None or self.pads else width
 
-    def runs_chain(self, steps: int) -> bool:
-        """Whether a draft's `steps` one-token forwards run as one compiled chain (`chain`): once
-        the model drafted with this many HOT_CHAIN times (over its calls: a chain of each k is a
-        graph of its own, compiled only for the k a policy keeps using)."""
-        if self.pads or steps < 2:
+    def runs_draft_step(self, width: int, forwards: int) -> bool:
+        """Whether a greedy draft step of `forwards` forwards, the first `width` wide, runs as one
+        compiled call (`draft_step`): once the model ran HOT_DRAFT_STEP such steps (over its calls:
+        each shape is a graph of its own, compiled only for the k a policy keeps choosing)."""
+        if self.pads or forwards < 2:
             return False
-        asked = self.chains_asked[steps] = self.chains_asked.get(steps, 0) + 1
-        return asked > HOT_CHAIN
+        shape = (width, forwards)
+        asked = self.draft_steps_asked[shape] = self.draft_steps_asked.get(shape, 0) + 1
+        return asked > HOT_DRAFT_STEP
 
     def runs_compiled(self, width: int) -> bool:
         """Whether a forward of `width` tokens runs compiled (else eager); counts the one-token
@@ -192,19 +194,18 @@ class CompiledForwards:
                            cache_position, cache_kwargs, keep)
         return logits[:, columns.start - start:columns.stop - start].clone()      # (the next call overwrites a CUDA graph's outputs)
 
-    def chain(self, model: torch.nn.Module, first: torch.Tensor, attention_mask: torch.Tensor,
-              position_ids: torch.Tensor, cache_position: torch.Tensor, cache_kwargs: dict, steps: int,
-              cache_address: int, warmups: WarmupCount) -> tuple[torch.Tensor, torch.Tensor]:
-        """`steps` greedy one-token forwards in one compiled call (`_draft_chain`: first [rows, 1],
-        the slot mask [rows, slots] with the chain's slots holes, position_ids [rows, 1] and
-        cache_position [1] of the first). Returns copies of the logits [rows, steps, vocab] and of
-        their argmax [rows, steps]."""
-        for t in (first, attention_mask, position_ids):
+    def draft_step(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor, cache_position: torch.Tensor, after: torch.Tensor,
+                   cache_kwargs: dict, forwards: int, cache_address: int, warmups: WarmupCount
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy draft step in one compiled call (`_draft_step`, whose arguments these are).
+        Returns copies of its logits [rows, forwards, vocab] and their argmax [rows, forwards]."""
+        for t in (input_ids, attention_mask, position_ids, after):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        key = ("chain", steps, *first.shape, attention_mask.shape[-1], cache_address)
-        logits, tokens = self._run(("chain", steps), _draft_chain, key, warmups, model, first, attention_mask, position_ids,
-                                   cache_position, cache_kwargs, steps)
-        return logits.clone(), tokens.clone()
+        key = ("draft step", forwards, *input_ids.shape, attention_mask.shape[-1], cache_address)
+        logits, picked = self._run(("draft step", forwards), _draft_step, key, warmups, model, input_ids,
+                                   attention_mask, position_ids, cache_position, after, cache_kwargs, forwards)
+        return logits.clone(), picked.clone()
 
     def _run(self, kind, function, key: tuple, warmups: WarmupCount, model: torch.nn.Module, *args):
         """function(model, *args) compiled, the compiled function of `kind` made at its first use;
@@ -229,22 +230,25 @@ class CompiledForwards:
         return out
 
 
-def _draft_chain(model, input_ids, attention_mask, position_ids, cache_position, cache_kwargs, steps):
-    """A draft's `steps` greedy one-token forwards, each fed the last one's argmax (one graph: one
-    set of guards and one call for them all, not one a forward). input_ids [rows, 1]: the first
-    token fed; attention_mask [rows, slots] with the chain's slots holes (each forward makes its
-    own slot real); position_ids [rows, 1] and cache_position [1]: the first token's. Returns the
-    logits [rows, steps, vocab] and their argmax [rows, steps] (what the next forward was fed)."""
+def _draft_step(model, input_ids, attention_mask, position_ids, cache_position, after, cache_kwargs, forwards):
+    """A greedy draft step: a forward of input_ids [rows, w] (the catch-up: the tokens not fed yet,
+    or the first draft) at position_ids [rows, w] and cache_position [w], over the slot mask
+    attention_mask [rows, slots] (their slots marked, the drafts' holes); then forwards - 1
+    one-token forwards, each of the last one's argmax, at positions after [rows, 1] on, each
+    making its slot real. Returns each forward's last logits [rows, forwards, vocab] and their
+    argmax [rows, forwards] (what the next forward was fed)."""
     slot = torch.arange(attention_mask.shape[1], device=input_ids.device)
-    logits, tokens = [], []
-    for j in range(steps):
-        attention_mask = attention_mask | (slot == cache_position + j)[None]
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids + j,
-                    cache_position=cache_position + j, use_cache=True, logits_to_keep=1, **cache_kwargs).logits[:, -1]
+    first_draft_slot = cache_position[-1:] + 1
+    logits, picked = [], []
+    for j in range(forwards):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    cache_position=cache_position, use_cache=True, logits_to_keep=1, **cache_kwargs).logits[:, -1]
         input_ids = out.argmax(-1, keepdim=True)
         logits.append(out)
-        tokens.append(input_ids)
-    return torch.stack(logits, 1), torch.cat(tokens, 1)
+        picked.append(input_ids)
+        cache_position, position_ids = first_draft_slot + j, after + j
+        attention_mask = attention_mask | (slot == cache_position)[None]
+    return torch.stack(logits, 1), torch.cat(picked, 1)
 
 
 @contextlib.contextmanager

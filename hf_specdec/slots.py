@@ -115,27 +115,6 @@ class DynamicSlots:
         self.used, self.front = keep, front
         self.moves += 1
 
-    def chains(self, steps: int) -> bool:
-        """Whether a draft's `steps` one-token forwards run as one compiled chain (`chain`)."""
-        return bool(self.compiled and self.full) and self.compiled.runs_chain(steps)
-
-    def chain(self, runner, first: torch.Tensor, positions: torch.Tensor, steps: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`steps` greedy one-token forwards in one compiled call (`CompiledForwards.chain`): first
-        [n, 1] fed at `positions` [n, 1], then each forward's argmax. Returns logits [n, steps, vocab]
-        and tokens [n, steps]."""
-        n = first.shape[0]
-        self.reserve(steps)
-        self._mask[:self.rows, self.used:self.used + steps] = False      # the graph makes each real
-        first, positions = (_pad(t, self.rows, 1) for t in (first, positions))
-        cache_position = kv_cache.static_cache_position(self.used, 1, first.device)
-        logits, tokens = self.compiled.chain(runner.model, first, self._mask[:self.rows], positions, cache_position,
-                                             kv_cache.cache_kwargs(runner.model, self.cache), steps,
-                                             self.full[0][0].data_ptr(), self.warmups)
-        self._mask[:n, self.used:self.used + steps] = True
-        self.used += steps
-        return logits[:n], tokens[:n]
-
     def window_columns(self, mask: torch.Tensor) -> torch.Tensor:
         """A sliding-window layer's mask [..., used] -> the columns of the slots it holds."""
         return mask[..., self.front:]
@@ -271,26 +250,29 @@ class StaticSlots:
             self.step_back(self.used - tier + end)      # rollback counts a row's slots as its tokens)
         return logits
 
-    def chains(self, steps: int) -> bool:
-        """Whether a draft's `steps` one-token forwards run as one compiled chain (`chain`)."""
-        return bool(self.compiled and self.full) and self.compiled.runs_chain(steps)
+    def fuses_draft_step(self, width: int, forwards: int) -> bool:
+        """Whether a draft step of `forwards` forwards, the first `width` wide, runs as one
+        compiled call (`draft_step`)."""
+        return bool(self.compiled and self.full) and self.compiled.runs_draft_step(width, forwards)
 
-    def chain(self, runner, first: torch.Tensor, positions: torch.Tensor, steps: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`steps` greedy one-token forwards in one compiled call (`CompiledForwards.chain`): first
-        [n, 1] fed at `positions` [n, 1], then each forward's argmax. Returns logits [n, steps, vocab]
-        and tokens [n, steps]."""
-        n = first.shape[0]
-        self.reserve(steps)
-        self._mask[:self.rows, self.used:self.used + steps] = False      # the graph makes each real
-        first, positions = (_pad(t, self.rows, 1) for t in (first, positions))
-        cache_position = kv_cache.static_cache_position(self.used, 1, first.device)
-        logits, tokens = self.compiled.chain(runner.model, first, self._mask[:self.rows], positions, cache_position,
-                                             kv_cache.cache_kwargs(runner.model, self.cache), steps,
-                                             self.full[0][0].data_ptr(), self.warmups)
-        self._mask[:n, self.used:self.used + steps] = True
-        self.used += steps
-        return logits[:n], tokens[:n]
+    def draft_step(self, runner, tokens: torch.Tensor, real: torch.Tensor, positions: torch.Tensor,
+                   after: torch.Tensor, forwards: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy draft step in one compiled call (`CompiledForwards.draft_step`): a forward of
+        tokens [n, w] (holes where real [n, w] is False) at `positions` [n, w], then forwards - 1
+        one-token forwards, each of the last one's argmax, at positions after [n, 1] on. Returns
+        logits [n, forwards, vocab] (each forward's last column) and their argmax [n, forwards]."""
+        (n, width), drafts = tokens.shape, forwards - 1
+        self.reserve(width + drafts)
+        self._mask[:n, self.used:self.used + width] = real
+        self._mask[:self.rows, self.used + width:self.used + width + drafts] = False    # the graph makes each real
+        tokens, positions, after = (_pad(t, self.rows, t.shape[1]) for t in (tokens, positions, after))
+        cache_position = kv_cache.static_cache_position(self.used, width, tokens.device)
+        logits, picked = self.compiled.draft_step(runner.model, tokens, self._mask[:self.rows], positions,
+                                                  cache_position, after, kv_cache.cache_kwargs(runner.model, self.cache),
+                                                  forwards, self.full[0][0].data_ptr(), self.warmups)
+        self._mask[:n, self.used + width:self.used + width + drafts] = True
+        self.used += width + drafts
+        return logits[:n], picked[:n]
 
     def window_columns(self, mask: torch.Tensor) -> torch.Tensor:
         """A sliding-window layer's mask [..., capacity] -> [..., ring]: the slots its ring holds."""

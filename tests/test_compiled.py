@@ -64,7 +64,7 @@ def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(pa
     caplog.set_level(logging.INFO, logger="hf_specdec.compiled")
     monkeypatch.setattr(compiled, "pads_shapes", lambda device: padded)
     monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 0)          # one-token forwards compiled from the first
-    monkeypatch.setattr(compiled, "HOT_CHAIN", 10 ** 6)        # a draft's forwards one at a time (chains: below)
+    monkeypatch.setattr(compiled, "HOT_DRAFT_STEP", 10 ** 6)   # a draft's forwards one at a time (fused: below)
     vocab, eos = 512, 500
     target = circle_model("toy", vocab=vocab, dtype=torch.float32)
     draft = circle_model("toy", vocab=vocab, alpha=0.7, dtype=torch.float32)
@@ -141,29 +141,29 @@ def test_a_call_of_one_row_runs_one_row_on_the_cpu(monkeypatch):
         assert len(regional) == sum(width > 1 for *_, width in shapes) and 1 not in regional
 
 
-def test_a_greedy_draft_s_forwards_run_as_one_compiled_chain_once_its_k_is_hot(monkeypatch):
-    """Unpadded (the CPU), a greedy draft's k - 1 one-token forwards of a step run as one compiled
-    call (`CompiledForwards.chain`) once it has drafted HOT_CHAIN steps of that k: the drafts are
-    those of one forward at a time (every step's record equal), the output plain generate()'s, as
-    rows finish (3 rows, then 2, then 1 and a dummy row); once every k is hot, a call compiles
-    nothing. Sampling, and a length policy that stops drafts early, run them one at a time."""
+def test_a_greedy_draft_step_runs_as_one_compiled_call_once_its_shape_is_hot(monkeypatch):
+    """Unpadded (the CPU), a greedy draft step (its catch-up forward and k - 1 one-token forwards)
+    runs as one compiled call (`CompiledForwards.draft_step`) once the draft ran HOT_DRAFT_STEP
+    steps of that shape: the drafts are those of one forward at a time (every step's record equal),
+    the output plain generate()'s, as rows finish (3 rows, then 2, then 1 and a dummy row) and
+    with catch-ups of 1 and 2 tokens; once every shape is hot, a call compiles nothing. Sampling,
+    and a length policy that stops drafts early, run one forward at a time."""
     from test_length_policies import toy_profile
     monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 0)
     target, draft = layer_skip_pair(0.1, layers=2, hidden=64, vocab=512)     # drafts that read their positions
     ids = torch.randint(3, 512, (3, 6), generator=torch.Generator().manual_seed(0))
     free = target.generate(input_ids=ids, max_new_tokens=40, do_sample=False)[:, 6:].tolist()
     firsts = lambda token: [row.index(token) if token in row else None for row in free]   # noqa: E731
-    # an EOS that ends two rows at different steps and not the third
-    eos = next(t for t in range(3, 512) if firsts(t).count(None) == 1 and len(set(firsts(t))) == 3)
-    chained, chain = [], compiled.CompiledForwards.chain
+    eos = next(t for t in range(3, 512) if firsts(t).count(None) == 1 and len(set(firsts(t))) == 3)  # ends 2 rows
+    fused, draft_step = [], compiled.CompiledForwards.draft_step
 
-    def watched(self, model, first, *args, **kwargs):
-        chained.append((model, *first.shape))
-        return chain(self, model, first, *args, **kwargs)
-    monkeypatch.setattr(compiled.CompiledForwards, "chain", watched)
+    def watched(self, model, input_ids, *args, **kwargs):
+        fused.append((model, *input_ids.shape))
+        return draft_step(self, model, input_ids, *args, **kwargs)
+    monkeypatch.setattr(compiled.CompiledForwards, "draft_step", watched)
 
     def call(policy="fixed:4", **kwargs):
-        chained.clear()
+        fused.clear()
         before = _graphs()
         out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=40, cache_implementation="static",
                    compile_config=_compile_config(), return_dict_in_generate=True, **kwargs)
@@ -171,23 +171,22 @@ def test_a_greedy_draft_s_forwards_run_as_one_compiled_chain_once_its_k_is_hot(m
 
     target.generation_config.eos_token_id = eos
     plain = target.generate(input_ids=ids, max_new_tokens=40, do_sample=False)
-    monkeypatch.setattr(compiled, "HOT_CHAIN", 10 ** 6)
+    monkeypatch.setattr(compiled, "HOT_DRAFT_STEP", 10 ** 6)
     one_at_a_time, _ = call(do_sample=False)
     assert sum(sum(s.accepted) for s in one_at_a_time.spec_stats.steps) > 20
-    assert not chained
-    monkeypatch.setattr(compiled, "HOT_CHAIN", 2)
+    assert not fused
+    monkeypatch.setattr(compiled, "HOT_DRAFT_STEP", 2)
     runs = [call(do_sample=False) for _ in range(3)]     # (the last steps' shorter k is hot by the third)
     for out, _ in runs:
         assert_same(out.sequences, plain)
         assert _records(out) == _records(one_at_a_time)
-    assert {c[0] for c in chained} == {draft} and {c[1] for c in chained} == {3, 2}   # rows: a dummy below 2
-    assert len(chained) > 5 and runs[2][1] == 0
-    (forwards,) = compiled._COMPILED[draft].values()
-    assert ("chain", 3) in forwards.functions
+    assert {model for model, *_ in fused} == {draft}
+    assert {(rows, width) for _, rows, width in fused} >= {(3, 1), (3, 2), (2, 1), (2, 2)}   # (2: one and a dummy)
+    assert len(fused) > 5 and runs[2][1] == 0
     call(do_sample=True, spec_generator=torch.Generator().manual_seed(0))
-    assert not chained
+    assert not fused
     call(hf_specdec.AdaSpec(toy_profile(), max_len=6), do_sample=False)
-    assert not chained
+    assert not fused
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

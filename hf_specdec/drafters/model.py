@@ -63,22 +63,6 @@ def sample_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, continue_
     return Proposal(tokens, counts, dist if probs else None, confidence), torch.stack(seen, 1)
 
 
-def chained_drafts(sampler: TokenSampler, batch: SequenceBatch, k: int, logits: torch.Tensor,
-                   chain: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[Proposal, torch.Tensor]:
-    """`sample_drafts` for a sampler that `picks_argmax`, without `continue_drafting`: the first
-    draft from logits [n, 1, vocab], the other k - 1 from chain(first draft [n], k - 1) -> (their
-    logits [n, k - 1, vocab], tokens [n, k - 1]): one call for the draft's forwards, not one each."""
-    first = logits[:, 0].argmax(-1)                                     # [n]
-    later_logits, later = chain(first, k - 1)
-    tokens = torch.cat([first[:, None], later], 1)                     # [n, k]
-    rows, start = batch.active.tensor, batch.active_lengths().tensor
-    batch.tokens[rows[:, None], start[:, None] + torch.arange(k, device=start.device)] = tokens
-    seen = torch.cat([logits, later_logits], 1)                         # [n, k, vocab]
-    confidence = sampler.probs(seen).gather(2, tokens[..., None]).squeeze(2)
-    return Proposal(tokens, RowInts(torch.full_like(start, k), [k] * len(start)), None, confidence), seen
-
-
 class ModelDrafter(Drafter):
     scorable = True
 
@@ -104,23 +88,42 @@ class ModelDrafter(Drafter):
 
     def propose(self, batch: SequenceBatch, k: int, continue_drafting: ContinueDrafting | None = None) -> Proposal:
         start = batch.active_lengths().tensor
-        if self._head is not None and self._caught_up(batch):
-            logits = self._head[:, None]                 # caught up by the last replay
-        else:
-            logits = self.runner.forward(*self.runner.pending(batch), keep=1)    # catch up the lag, then draft
+        head = self._head[:, None] if self._head is not None and self._caught_up(batch) else None  # (a replay's)
+        pending = None if head is not None else self.runner.pending(batch)      # to catch up: the lag
         self._head = None
-        # the drafts' own forwards, so that no compaction moves slots inside the speculative region:
-        # k - 1 one-token forwards, each padded to width 2 on a compiled cache and stepped back over
-        # the pad, so the last one writes the region's k-th slot
-        self._region = self.runner.open_region(0, k)
-        if continue_drafting is None and self.sampler.picks_argmax and self.runner.chains(k - 1):
-            proposal, self._known = chained_drafts(self.sampler, batch, k, logits, self.runner.chain)
+        # (a greedy step with k - 1 forwards to run is one compiled call where the cache can)
+        fuse = continue_drafting is None and self.sampler.picks_argmax and k > 1
+        if fuse and self.runner.fuses_draft_step(1 if head is not None else pending[0].shape[1], k - (head is not None)):
+            proposal, self._known = self._greedy_step(batch, k, head, pending)
         else:
+            logits = head if head is not None else self.runner.forward(*pending, keep=1)   # catch up, then draft
+            # the drafts' own forwards, so that no compaction moves slots inside the speculative region:
+            # k - 1 one-token forwards, each padded to width 2 on a compiled cache and stepped back over
+            # the pad, so the last one writes the region's k-th slot
+            self._region = self.runner.open_region(0, k)
             proposal, self._known = sample_drafts(self.sampler, batch, k, continue_drafting, logits,
                                                   lambda token: self.runner.forward(token[:, None], None, keep=1))
         self._fed_drafts = proposal.tokens.shape[1] - 1  # the last draft was never fed
         self._known_start = start.clone()                # _known [n, k', vocab] predicts start .. start+k'-1
         return proposal
+
+    def _greedy_step(self, batch: SequenceBatch, k: int, head: torch.Tensor | None, pending: tuple | None
+                     ) -> tuple[Proposal, torch.Tensor]:
+        """`sample_drafts` of a sampler that picks the argmax, without `continue_drafting`, as one
+        compiled call (`CachedModel.draft_step`): the catch-up of `pending` (as `pending()` gave it)
+        and k - 1 draft forwards; or, from a held head [n, 1, vocab], the k - 1 draft forwards."""
+        if head is None:
+            self._region = self.runner.open_region(pending[0].shape[1], k)      # (after the catch-up's slots)
+            logits, tokens = self.runner.draft_step(*pending, k)
+        else:
+            first = head[:, 0].argmax(-1, keepdim=True)                          # [n, 1]
+            self._region = self.runner.open_region(0, k)
+            later_logits, later = self.runner.draft_step(first, None, None, k - 1)
+            logits, tokens = torch.cat([head, later_logits], 1), torch.cat([first, later], 1)
+        rows, start = batch.active.tensor, batch.active_lengths().tensor
+        batch.tokens[rows[:, None], start[:, None] + torch.arange(k, device=start.device)] = tokens
+        confidence = self.sampler.probs(logits).gather(2, tokens[..., None]).squeeze(2)
+        return Proposal(tokens, RowInts(torch.full_like(start, k), [k] * len(start)), None, confidence), logits
 
     def _caught_up(self, batch) -> bool:
         return self.runner.lag(batch).max() == 0
