@@ -220,7 +220,7 @@ class CachedModel:
     def _positions(self, tokens: torch.Tensor, real: torch.Tensor | None, counts: list[int] | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a forward of tokens [n, w] (real: as `forward`'s): the tokens, the real mask and the
-        positions [n, w] (each slot's real slots before it); the real slots are counted in."""
+        positions [n, w] (each slot's real slots before it); its real slots counted in `num_real`."""
         width = tokens.shape[1]
         if real is None:        # (a drafter's one-token forwards: their positions in the fewest ops)
             real = torch.ones(tokens.shape, dtype=torch.bool, device=self.device)

@@ -91,9 +91,11 @@ class ModelDrafter(Drafter):
         head = self._head[:, None] if self._head is not None and self._caught_up(batch) else None  # (a replay's)
         pending = None if head is not None else self.runner.pending(batch)      # to catch up: the lag
         self._head = None
-        # (a greedy step with k - 1 forwards to run is one compiled call where the cache can)
+        # a greedy step's forwards (the catch-up's, unless a head is held, and k - 1 drafts') in one
+        # compiled call, where the cache can
+        width, forwards = (1, k - 1) if head is not None else (pending[0].shape[1], k)
         fuse = continue_drafting is None and self.sampler.picks_argmax and k > 1
-        if fuse and self.runner.fuses_draft_step(1 if head is not None else pending[0].shape[1], k - (head is not None)):
+        if fuse and self.runner.fuses_draft_step(width, forwards):
             proposal, self._known = self._greedy_step(batch, k, head, pending)
         else:
             logits = head if head is not None else self.runner.forward(*pending, keep=1)   # catch up, then draft
