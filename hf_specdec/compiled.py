@@ -199,32 +199,34 @@ class CompiledForwards:
                    cache_kwargs: dict, forwards: int, cache_address: int, warmups: WarmupCount
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A greedy draft step in one compiled call (`_draft_step`, whose arguments these are).
-        Returns copies of its logits [rows, forwards, vocab] and their argmax [rows, forwards]."""
+        Returns its logits [rows, forwards, vocab] and their argmax [rows, forwards] (not copied:
+        it runs unpadded only, where no CUDA graph overwrites them)."""
         for t in (input_ids, attention_mask, position_ids, after):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         key = ("draft step", forwards, *input_ids.shape, attention_mask.shape[-1], cache_address)
         logits, picked = self._run(("draft step", forwards), _draft_step, key, warmups, model, input_ids,
                                    attention_mask, position_ids, cache_position, after, cache_kwargs, forwards)
-        return logits.clone(), picked.clone()
+        return logits, picked
 
     def _run(self, kind, function, key: tuple, warmups: WarmupCount, model: torch.nn.Module, *args):
         """function(model, *args) compiled, the compiled function of `kind` made at its first use;
         a call at a new shape `key`, or one that compiled, counts in `warmups`."""
         calls = self.calls[key] = self.calls.get(key, 0) + 1
-        if kind not in self.functions:
-            hub_kernels.thread_safe_kernel_funcs()      # other threads decode while this one compiles
-            # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code object,
-            # and what its automatic-dynamic rule learnt per code name: a name of its own, so another
-            # model's shapes decide nothing here
-            name = f"compiled_{function.__name__.strip('_')}_{next(_names)}"
-            fresh = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__, name)
-            self.functions[kind] = torch.compile(fresh, **self.options)
-            self.codes.append(fresh.__code__)
         # one compiled forward of a model at a time: a wide one installs the layers' regions on the
         # shared model, which a one-token trace in another thread would see and guard on
-        with self.lock, compile_log(model) as compiled, \
-                regions.layer_regions(model) if kind is True else contextlib.nullcontext():
-            out = self.functions[kind](model, *args)
+        with self.lock:
+            if kind not in self.functions:
+                hub_kernels.thread_safe_kernel_funcs()      # other threads decode while this one compiles
+                # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code
+                # object, and what its automatic-dynamic rule learnt per code name: a name of its own,
+                # so another model's shapes decide nothing here
+                name = f"compiled_{function.__name__.strip('_')}_{next(_names)}"
+                fresh = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__, name)
+                self.functions[kind] = torch.compile(fresh, **self.options)
+                self.codes.append(fresh.__code__)
+            with compile_log(model) as compiled, \
+                    regions.layer_regions(model) if kind is True else contextlib.nullcontext():
+                out = self.functions[kind](model, *args)
         if calls <= WARMUP_CALLS or compiled["graphs"]:      # (a guard that failed compiles a seen shape anew)
             warmups.calls += 1
         return out

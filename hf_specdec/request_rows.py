@@ -50,6 +50,7 @@ class RequestSampler(TokenSampler):
         super().__init__(None, do_sample)
         self.request_processors = processors      # Transformers' ContinuousBatchingLogitsProcessorList
         self.arguments: torch.Tensor | None = None
+        self.picks_argmax = False                 # (its scores are the requests' processors')
 
     def follow(self, states: list) -> None:
         """The active rows' requests, in row order."""

@@ -264,7 +264,7 @@ class StaticSlots:
         (n, width), drafts = tokens.shape, forwards - 1
         self.reserve(width + drafts)
         self._mask[:n, self.used:self.used + width] = real
-        self._mask[:self.rows, self.used + width:self.used + width + drafts] = False    # the graph makes each real
+        self._mask[:n, self.used + width:self.used + width + drafts] = False    # the graph makes each real
         tokens, positions, after = (_pad(t, self.rows, t.shape[1]) for t in (tokens, positions, after))
         cache_position = kv_cache.static_cache_position(self.used, width, tokens.device)
         logits, picked = self.compiled.draft_step(runner.model, tokens, self._mask[:self.rows], positions,

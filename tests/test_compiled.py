@@ -146,8 +146,9 @@ def test_a_greedy_draft_step_runs_as_one_compiled_call_once_its_shape_is_hot(mon
     runs as one compiled call (`CompiledForwards.draft_step`) once the draft ran HOT_DRAFT_STEP
     steps of that shape: the drafts are those of one forward at a time (every step's record equal),
     the output plain generate()'s, as rows finish (3 rows, then 2, then 1 and a dummy row) and
-    with catch-ups of 1 and 2 tokens; once every shape is hot, a call compiles nothing. Sampling,
-    and a length policy that stops drafts early, run one forward at a time."""
+    with catch-ups of 1 and 2 tokens, or none (a head held after HedgeSpec's replay); once every
+    shape is hot, a call compiles nothing. Sampling, and a length policy that stops drafts early,
+    run one forward at a time."""
     from test_length_policies import toy_profile
     monkeypatch.setattr(compiled, "HOT_ONE_TOKEN", 0)
     target, draft = layer_skip_pair(0.1, layers=2, hidden=64, vocab=512)     # drafts that read their positions
@@ -157,15 +158,15 @@ def test_a_greedy_draft_step_runs_as_one_compiled_call_once_its_shape_is_hot(mon
     eos = next(t for t in range(3, 512) if firsts(t).count(None) == 1 and len(set(firsts(t))) == 3)  # ends 2 rows
     fused, draft_step = [], compiled.CompiledForwards.draft_step
 
-    def watched(self, model, input_ids, *args, **kwargs):
-        fused.append((model, *input_ids.shape))
-        return draft_step(self, model, input_ids, *args, **kwargs)
+    def watched(self, model, input_ids, mask, positions, cache_position, after, cache_kwargs, forwards, *args):
+        fused.append((model, *input_ids.shape, forwards))
+        return draft_step(self, model, input_ids, mask, positions, cache_position, after, cache_kwargs, forwards, *args)
     monkeypatch.setattr(compiled.CompiledForwards, "draft_step", watched)
 
-    def call(policy="fixed:4", **kwargs):
+    def call(policy="fixed:4", drafters=(draft,), **kwargs):
         fused.clear()
         before = _graphs()
-        out = spec(target, [draft], policy, input_ids=ids, max_new_tokens=40, cache_implementation="static",
+        out = spec(target, list(drafters), policy, input_ids=ids, max_new_tokens=40, cache_implementation="static",
                    compile_config=_compile_config(), return_dict_in_generate=True, **kwargs)
         return out, _graphs() - before
 
@@ -181,8 +182,20 @@ def test_a_greedy_draft_step_runs_as_one_compiled_call_once_its_shape_is_hot(mon
         assert_same(out.sequences, plain)
         assert _records(out) == _records(one_at_a_time)
     assert {model for model, *_ in fused} == {draft}
-    assert {(rows, width) for _, rows, width in fused} >= {(3, 1), (3, 2), (2, 1), (2, 2)}   # (2: one and a dummy)
+    assert {(rows, width) for _, rows, width, _ in fused} >= {(3, 1), (3, 2), (2, 1), (2, 2)}   # (2: one and a dummy)
     assert len(fused) > 5 and runs[2][1] == 0
+    # HedgeSpec's full-information feedback replays each drafter: the next step drafts from the
+    # head it holds, with k - 1 forwards fused
+    hedge = lambda: hf_specdec.SpecPolicy(selector=hf_specdec.HedgeSpec(seed=0),  # noqa: E731
+                                          length=hf_specdec.FixedLength(4))
+    both = (draft, noisy_copy(target, 0.3, seed=1))
+    monkeypatch.setattr(compiled, "HOT_DRAFT_STEP", 10 ** 6)
+    one_at_a_time, _ = call(hedge(), both, do_sample=False)
+    monkeypatch.setattr(compiled, "HOT_DRAFT_STEP", 2)
+    for out, _ in [call(hedge(), both, do_sample=False) for _ in range(3)]:
+        assert_same(out.sequences, plain)
+        assert _records(out) == _records(one_at_a_time)
+    assert (1, 3) in {(width, forwards) for _, _, width, forwards in fused}
     call(do_sample=True, spec_generator=torch.Generator().manual_seed(0))
     assert not fused
     call(hf_specdec.AdaSpec(toy_profile(), max_len=6), do_sample=False)
