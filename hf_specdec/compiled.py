@@ -204,9 +204,8 @@ class CompiledForwards:
         for t in (input_ids, attention_mask, position_ids, after):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         key = ("draft step", forwards, *input_ids.shape, attention_mask.shape[-1], cache_address)
-        logits, picked = self._run(("draft step", forwards), _draft_step, key, warmups, model, input_ids,
-                                   attention_mask, position_ids, cache_position, after, cache_kwargs, forwards)
-        return logits, picked
+        return self._run(("draft step", forwards), _draft_step, key, warmups, model, input_ids, attention_mask,
+                         position_ids, cache_position, after, cache_kwargs, forwards)
 
     def _run(self, kind, function, key: tuple, warmups: WarmupCount, model: torch.nn.Module, *args):
         """function(model, *args) compiled, the compiled function of `kind` made at its first use;
