@@ -27,7 +27,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from . import assisted, continuous_batching, kept, transformers_loop
-from .generate import check_decoder_only
+from .generate import check_cache_settings, check_decoder_only
 from .generate import generate as spec_generate
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
     encoder-decoder's encoder, and make a mask from pad ids); the rest, once, in `check_call`."""
     check_decoder_only(model)
     _check_padding(model, args, kwargs)
+    config = kwargs.get("generation_config") or model.generation_config
+    check_cache_settings(*(kwargs.get(name, getattr(config, name, None)) for name in ("cache_implementation", "cache_config")))
     if kwargs.get("assistant_tokenizer") is not None:
         raise ValueError("assistant_tokenizer= (a draft with another tokenizer) is not supported: drafters share "
                          "the target's vocabulary")

@@ -229,14 +229,21 @@ def _check_drafters(model, assistant_models) -> list[Drafter]:
     return drafters
 
 
+def check_cache_settings(cache_implementation, cache_config) -> None:
+    """The cache a call asks for, as generate()'s arguments or generation config name it: one that
+    hf_specdec makes itself (`enable` checks it before generate() prepares any cache: an offloaded
+    one opens an accelerator stream)."""
+    if cache_implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(f"cache_implementation={cache_implementation!r} is not supported with "
+                         f"speculative decoding; use one of {CACHE_IMPLEMENTATIONS}")
+    if cache_config:
+        raise ValueError(f"cache_config={cache_config!r} is not supported with speculative "
+                         "decoding: hf_specdec sizes every model's cache from max_length itself")
+
+
 def _check_cache(model, drafters: list[Drafter], generation_config: GenerationConfig) -> None:
     """What the cache settings ask for, checked before any work: each model must be able to hold it."""
-    if generation_config.cache_implementation not in CACHE_IMPLEMENTATIONS:
-        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported with "
-                         f"speculative decoding; use one of {CACHE_IMPLEMENTATIONS}")
-    if generation_config.cache_config:
-        raise ValueError(f"cache_config={generation_config.cache_config!r} is not supported with speculative "
-                         "decoding: hf_specdec sizes every model's cache from max_length itself")
+    check_cache_settings(generation_config.cache_implementation, generation_config.cache_config)
     static = generation_config.cache_implementation == "static"
     compiling = static and generation.compile_config(model, generation_config) is not None
     reading = [i for i, d in enumerate(drafters) if isinstance(d, TargetStatesDrafter)]

@@ -8,21 +8,25 @@ same and installs one subgraph, which inductor compiles once and calls per layer
 stays one graph: one set of guards and one call a step, as Transformers' own compiled forward.
 
 The region is each layer's own `forward`, set as an instance attribute only while some thread runs
-one of our compiled forwards (`layer_regions`), as the same object every time (dynamo guards on
-it). Outside `torch.compile` a region is a plain call, so another thread's eager call of a layer
-meanwhile runs as before. A layer with a `forward` of its own (an accelerate hook's) is left alone.
+one of our compiled forwards (`layer_regions`): a method bound to the layer, so that dynamo reaches
+the layer as the method's `self`, by its module path (`model.layers[i]`), and guards on it and maps
+its parameters and cache slots there. (A layer reached any other way, e.g. through a weak reference,
+lets torch >= 2.14 reuse layer 0's subgraph with layer 0's inputs for every layer: every layer ran
+with layer 0's weights and wrote layer 0's cache.) Dynamo guards on the method's function and
+`self`, not on the bound object, so a new one each time recompiles nothing. Outside `torch.compile`
+a region is a plain call, so another thread's eager call of a layer meanwhile runs as before. A
+layer with a `forward` of its own (an accelerate hook's) is left alone.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
+import types
 import weakref
 
 import torch
 
 _lock = threading.Lock()
-_regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # layer -> its forward as a region
 _running: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # layer -> compiled forwards running it
 
 
@@ -31,9 +35,8 @@ def _layer_region(layer: torch.nn.Module, *args, **kwargs):
     return type(layer).forward(layer, *args, **kwargs)
 
 
-def _region_of(layer_ref: weakref.ref, *args, **kwargs):
-    # (the layer by a weak reference: a region bound to it would keep it, and its model, alive)
-    return _layer_region(layer_ref(), *args, **kwargs)
+def _region_method(self: torch.nn.Module, *args, **kwargs):
+    return _layer_region(self, *args, **kwargs)
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -54,7 +57,8 @@ def layer_regions(model: torch.nn.Module):
         layers = _layers(model)
         for layer in layers:
             if layer not in _running:
-                layer.forward = _regions.setdefault(layer, functools.partial(_region_of, weakref.ref(layer)))
+                # (bound only while open: the layer's own reference to itself ends with the block)
+                layer.forward = types.MethodType(_region_method, layer)
             _running[layer] = _running.get(layer, 0) + 1
     try:
         yield

@@ -12,6 +12,7 @@ from transformers import CompileConfig
 
 import hf_specdec
 from hf_specdec import compiled, regions, slots, testing, timing
+from hf_specdec._compat import kv_cache
 from hf_specdec.kept import forget, kept_for
 from hf_specdec.testing import build, circle_model, circle_continuation, layer_skip_pair, noisy_copy, prompts
 from helpers import Scripted, assert_same, cpu_compile_config, spec
@@ -508,9 +509,34 @@ def test_a_drafter_cache_exactly_at_its_reservation_boundary(k, monkeypatch):
     assert tight.spec_stats.acceptance_rate == roomy.spec_stats.acceptance_rate
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_each_layer_region_runs_its_own_weights_and_cache_under_compile(arch):
+    """A compiled forward with the decoder layers as regions (dynamo reuses one layer's subgraph for
+    all) computes what the eager forward computes, and writes each layer's own cache slots: from
+    torch 2.14 a layer reached through a weak reference ran every layer with layer 0's weights and
+    cache. The logits of a 3-layer model whose layers differ, and every layer's keys."""
+    from transformers import StaticCache
+    model = build(arch, 3, seed=0)
+    ids = torch.tensor([[5, 9, 2, 7]])
+
+    def forward(cache):
+        return model(input_ids=ids, use_cache=True, **kv_cache.cache_kwargs(model, cache)).logits
+    caches = [StaticCache(config=model.config, max_cache_len=8) for _ in range(2)]
+    with torch.no_grad():
+        eager = forward(caches[0])
+        forward(caches[1])              # (a static cache allocates at its first use: not in a region)
+        caches[1].reset()
+        torch._dynamo.reset()
+        with regions.layer_regions(model):
+            compiled_logits = torch.compile(forward, backend="eager")(caches[1])
+    torch.testing.assert_close(compiled_logits, eager)
+    for eager_layer, compiled_layer in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(compiled_layer.keys, eager_layer.keys)
+
+
 def test_decoder_layers_are_compile_regions_only_while_our_compiled_forward_runs():
-    """`regions.layer_regions`: inside, each decoder layer's forward is its region (the same object
-    every time: dynamo guards on it) and computes what the layer computes; nested uses count; after,
+    """`regions.layer_regions`: inside, each decoder layer's forward is its region (a method bound
+    to it, equal every time) and computes what the layer computes; nested uses count; after,
     the layers are as they were, and nothing keeps the model alive. A layer with a forward of its
     own (an accelerate hook's) is left alone."""
     import gc
@@ -530,7 +556,7 @@ def test_decoder_layers_are_compile_regions_only_while_our_compiled_forward_runs
         assert first[0] is not None and first[1] is not None and first[2] is hooked
         assert torch.equal(layers[0](x, position_embeddings=rotary), eager)
     with regions.layer_regions(model):
-        assert [layer.__dict__.get("forward") for layer in layers] == first      # the same objects
+        assert [layer.__dict__.get("forward") for layer in layers] == first      # equal methods
     assert [("forward" in layer.__dict__) for layer in layers] == [False, False, True]
     ref = weakref.ref(model)
     del model, layers, first, hooked

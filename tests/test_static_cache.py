@@ -2,7 +2,7 @@
 StaticCache) written at slot positions, rolled-back slots masked or stepped back over, compacted
 when full. Greedy output stays token-identical to plain generate()."""
 import pytest
-from transformers import StaticCache
+from transformers import GenerationConfig, StaticCache
 
 import hf_specdec
 from hf_specdec import cached_model, slots
@@ -69,9 +69,29 @@ def test_dynamic_path_is_unchanged_without_the_static_setting(monkeypatch):
     assert caches and set(caches) == {"DynamicCache"}
 
 
-def test_cache_settings_it_cannot_honour_are_refused_before_any_work():
+def test_cache_settings_it_cannot_honour_are_refused_before_any_work(monkeypatch):
+    """Through enable(), before generate() prepares a cache (an offloaded one opens an accelerator
+    stream: a CUDA build of torch without a GPU would fail there, not refuse); as a custom_generate
+    callable (which Transformers calls after preparing one), a cache_config."""
     model = build("llama", 2, seed=0)
     ids, mask = prompts(2, seed=1)
-    with pytest.raises(ValueError, match="cache_implementation='offloaded'"):
-        spec(model, [noisy_copy(model, 0.3)], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=4,
-             cache_implementation="offloaded")
+    draft = noisy_copy(model, 0.3)
+    hf_specdec.enable(model)
+
+    def prepared(*args, **kwargs):
+        raise AssertionError("generate() prepared a cache before the refusal")
+    monkeypatch.setattr(type(model), "_prepare_cache_for_generation", prepared)
+    try:
+        for setting, named in [({"cache_implementation": "offloaded"}, "cache_implementation='offloaded'"),
+                               ({"cache_implementation": "quantized"}, "cache_implementation='quantized'"),
+                               ({"generation_config": GenerationConfig(cache_implementation="offloaded")},
+                                "cache_implementation='offloaded'")]:
+            with pytest.raises(ValueError, match=named):
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_models=[draft],
+                               spec_policy="fixed:2", **setting)
+    finally:
+        hf_specdec.disable(model)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="cache_config"):
+        spec(model, [draft], "fixed:2", input_ids=ids, attention_mask=mask, max_new_tokens=4,
+             cache_config={"max_cache_len": 8})
