@@ -124,6 +124,7 @@ class CompiledForwards:
         self.options = compile_config.to_dict()
         self.options["dynamic"] = True if self.options.get("dynamic") else None
         self.key = (repr(sorted(compile_config.to_dict().items())), str(device))
+        self.number = next(_numbers)            # its compiled functions' code names
         self.pads = pads_shapes(device)
         self.functions: dict = {}      # regional?, or ("draft step", forwards) -> compiled function (made at first use)
         self.codes: list[types.CodeType] = []       # their code objects (dynamo keeps graphs per code)
@@ -217,9 +218,11 @@ class CompiledForwards:
             if kind not in self.functions:
                 hub_kernels.thread_safe_kernel_funcs()      # other threads decode while this one compiles
                 # a fresh code object: dynamo keeps its graphs (and their recompile limit) per code
-                # object, and what its automatic-dynamic rule learnt per code name: a name of its own,
-                # so another model's shapes decide nothing here
-                name = f"compiled_{function.__name__.strip('_')}_{next(_names)}"
+                # object, and what its automatic-dynamic rule learnt per code name: a name of this
+                # object's own, so another model's shapes decide nothing here, shared by its functions
+                # of one source, so a function first compiled after the cache grew starts with the
+                # capacity dynamic (else it recompiles at the next growth)
+                name = f"compiled_{function.__name__.strip('_')}_{self.number}"
                 fresh = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__, name)
                 self.functions[kind] = torch.compile(fresh, **self.options)
                 self.codes.append(fresh.__code__)
@@ -264,7 +267,7 @@ def compile_log(model: torch.nn.Module):
                     type(model).__name__, time.perf_counter() - start)
 
 
-_names = itertools.count()     # compiled functions made so far (their code names)
+_numbers = itertools.count()     # CompiledForwards made so far (their functions' code names)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {key: CompiledForwards}
 _COMPILED_LOCK = threading.Lock()
 

@@ -89,6 +89,52 @@ def test_few_graphs_per_model_while_k_moves_rows_retire_calls_grow_and_shrink(pa
     assert not counters["graph_break"]
 
 
+def _graphs_per_function(*models) -> dict:
+    """(model's index, kind) -> dynamo's cache entries of that compiled function."""
+    return {(i, str(kind)): len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+            for i, m in enumerate(models) for f in compiled._COMPILED[m].values()
+            for kind, code in zip(f.functions, f.codes)}
+
+
+def test_a_growing_cache_recompiles_each_function_once_and_later_functions_never():
+    """With eager-until-hot and the fused draft step as they are, a padded batch, k moving through
+    plain steps and drafts: the first growth of the cache recompiles each compiled function at most
+    once; a function first compiled during or after it (it became hot) compiles once, with the
+    capacity already dynamic; a smaller batch and later growths compile nothing anew for any
+    function. (Its functions share a code name: what dynamo's automatic-dynamic rule learnt of the
+    capacity is the model's, not one function's.)"""
+    target = circle_model("toy", vocab=512, dtype=torch.float32)
+    draft = circle_model("toy", vocab=512, alpha=0.8, dtype=torch.float32)
+    target.generation_config.eos_token_id = None
+    ks = Scripted(lambda step: (0, 1, 2, 4, 3, 0, 4)[step % 7])
+
+    def call(rows, new):
+        ids = torch.randint(1, 400, (rows, 6), generator=torch.Generator().manual_seed(rows))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        before = _graphs()
+        out = spec(target, [draft], ks, input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                   cache_implementation="static", compile_config=_compile_config())
+        plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert_same(out, plain)
+        return _graphs() - before
+    assert call(3, 40) <= 3
+    first = _graphs_per_function(target, draft)
+    assert set(first.values()) == {1}
+    capacity = _kept(target).capacity
+    call(3, 300)
+    assert _kept(target).capacity > capacity
+    grown = _graphs_per_function(target, draft)
+    assert all(grown[f] <= 2 for f in first) and all(grown[f] == 1 for f in grown if f not in first)
+    assert len(grown) > len(first)          # functions that became hot during the growth's call
+    assert call(2, 40) == 0
+    call(3, 600)
+    again = _graphs_per_function(target, draft)
+    assert all(again[f] == grown[f] for f in grown)             # nothing recompiled
+    assert all(again[f] == 1 for f in again if f not in grown)  # a function first made now: once
+    assert not counters["graph_break"]
+
+
 def test_one_token_forwards_run_eager_until_they_are_the_hot_path(monkeypatch):
     """Unpadded (the CPU), a model's first HOT_ONE_TOKEN one-token forwards run eager: a speculative
     call compiles the target's wide (regional) graph and the draft's, never the target's inlined
