@@ -19,7 +19,7 @@ bench: install
 test-oldest:
 	PYTHON=$(PY) bash scripts/test_oldest.sh
 
-# the suite on the newest release of every dependency, in a throwaway virtual environment
+# the suite on the newest release of every dependency (torch too: its CUDA build, on the CPU), in a throwaway virtual environment
 test-latest:
 	PYTHON=$(PY) bash scripts/test_latest.sh
 

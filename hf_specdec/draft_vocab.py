@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import platform
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 NEVER = -1e30          # a logit no warper or softmax turns into a probability (finite: entropies stay numbers)
 CORPUS_BYTES = 8 << 20  # of the corpus: enough for the counts of the top tens of thousands to settle
+# the least share of it the default corpus may have (a Python installed without its .py sources has
+# almost none: a vocabulary counted from it would be the special tokens and a few others)
+MIN_CORPUS_SHARE = 1 / 8
 
 
 class ReducedHead(torch.nn.Module):
@@ -87,8 +91,9 @@ def frequent_tokens(tokenizer, n: int, texts=None, cache: Path | None = None) ->
     result for this tokenizer (read where it matches, else written)."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
+    # the default corpus is this Python's standard library: another Python version, another corpus
     key = {"tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer), "n": n,
-           "corpus": "given" if texts is not None else f"stdlib:{CORPUS_BYTES}"}
+           "corpus": "given" if texts is not None else f"stdlib:{CORPUS_BYTES}:python{platform.python_version()}"}
     if cache is not None and texts is None:
         try:
             saved = json.loads(cache.read_text())
@@ -96,9 +101,15 @@ def frequent_tokens(tokenizer, n: int, texts=None, cache: Path | None = None) ->
                 return torch.tensor(saved["ids"], dtype=torch.long)
         except (OSError, ValueError, KeyError):
             pass
-    counts = collections.Counter()
+    counts, read = collections.Counter(), 0
     for text in (corpus_texts() if texts is None else texts):
         counts.update(tokenizer(text, add_special_tokens=False)["input_ids"])
+        read += len(text)
+    if texts is None and read < MIN_CORPUS_SHARE * CORPUS_BYTES:
+        raise ValueError(f"the draft vocabulary's corpus, this Python's standard library sources "
+                         f"({sysconfig.get_paths()['stdlib']}), has {read} characters, fewer than "
+                         f"{int(MIN_CORPUS_SHARE * CORPUS_BYTES)}: this Python was installed without them; "
+                         "give texts= (a corpus of your own)")
     ids = {token for token, _ in counts.most_common(n)} | set(tokenizer.all_special_ids)
     ids |= {token for token in tokenizer.get_added_vocab().values()}
     kept = sorted(ids)

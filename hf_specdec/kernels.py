@@ -59,6 +59,8 @@ K = 5                     # the drafts a step the model is timed for (target wid
 ACCEPTANCE = 0.8          # the prior per-token acceptance (the real pair at k = 5: MAT 4.3-4.4, a ~ 0.85)
 TARGET_MARGIN = 1.25      # the target leaves the flag rule's kernel only for a modelled gain this large
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# environment variables that limit the instruction sets oneDNN and ATen use: part of a cached choice's key
+ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", *BF16_FLAGS, "amx_int8", "amx_tile")
 
 # (role, kernel, batch, width) -> milliseconds of one forward of that model with `batch` rows of `width` tokens
@@ -129,7 +131,8 @@ def unavailable(kernel: str) -> str | None:
     import torch
     arguments = load_arguments(kernel)
     try:
-        layer = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(arguments.get("dtype", torch.float32))
+        with torch.random.fork_rng(devices=[]):        # (the layer's init draws: the caller's RNG stays as it was)
+            layer = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(arguments.get("dtype", torch.float32))
         swap_linears(layer, **layer_arguments(arguments))
         with torch.inference_mode():
             for width in (1, K + 1):
@@ -217,9 +220,14 @@ def measure(timer: Timer, skipped=()) -> dict:
 
 
 def machine_key(cpuinfo: str | None = None, versions: dict | None = None) -> dict:
-    """What a cached choice holds for: the CPU's model and ISA flags, torch's threads, the versions
-    and the candidate kernels."""
+    """What a cached choice holds for: the CPU's model and ISA flags, the variables that limit the
+    ISA (ISA_VARIABLES), torch's threads, the versions, the candidate kernels and whether the bf16w
+    kernel can be built (a compiler installed later changes the answer)."""
+    import os
+
     import torch
+
+    from .weight_only import cannot_build
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -230,7 +238,9 @@ def machine_key(cpuinfo: str | None = None, versions: dict | None = None) -> dic
     if versions is None:
         versions = {p: importlib.metadata.version(p) for p in ("torch", "transformers", "hf-specdec")}
     return {"cpu": f"{name} ({' '.join(flags) or 'no listed ISA flags'})", "threads": torch.get_num_threads(),
-            "versions": versions, "candidates": {role: list(kernels) for role, kernels in ROLES.items()}}
+            "isa_variables": {v: os.environ[v] for v in ISA_VARIABLES if v in os.environ},
+            "versions": versions, "candidates": {role: list(kernels) for role, kernels in ROLES.items()},
+            "bf16w_build": cannot_build() or "possible"}
 
 
 def cached_choice(path: Path, make_timer: Callable[[], Timer], cpuinfo: str | None = None,

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -31,14 +34,56 @@ logger = logging.getLogger(__name__)
 INT4_GROUP = 32        # Q4_K's sub-block: a GGUF's 4-bit weights keep their grouping
 
 
+# seconds after which a build's lock is an interrupted build's (a build takes about 30 s): torch's
+# extension loader waits on a lock for as long as it exists
+STALE_LOCK_S = 600
+
+
+def cannot_build() -> str | None:
+    """Why the kernel cannot be built or run here (no AVX2 and FMA, no C++ compiler, no ninja), found
+    without building it; None where it can be tried."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    from .kernels import cpu_flags
+    flags = cpu_flags()
+    if flags and not {"avx2", "fma"} <= set(flags):       # ([]: /proc/cpuinfo cannot tell; the kernel checks)
+        return "this CPU has no AVX2 and FMA"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on PATH (install one, or name it in CXX)"
+    if not is_ninja_available():
+        return "ninja is not on PATH (pip install ninja)"
+    return None
+
+
 @functools.cache
 def _extension():
     """The compiled kernel (cached by torch in its extensions directory; about 30 s the first time).
-    Raises where it cannot be built (no C++ compiler) or run (no AVX2): `kernels.unavailable` probes it."""
-    from torch.utils.cpp_extension import load
+    Raises where it cannot be built (`cannot_build`) or run: `kernels.unavailable` probes it. A lock
+    older than STALE_LOCK_S (an interrupted build's) is removed first."""
+    reason = cannot_build()
+    if reason is not None:
+        raise RuntimeError(f"the bf16-weight kernel cannot be built: {reason}")
+    from torch.utils.cpp_extension import get_default_build_root, load
+    directory = Path(get_default_build_root()) / f"hf_specdec_bf16w-torch{torch.__version__}"
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_lock(directory / "lock")
     logger.info("building the bf16-weight kernel (once per machine and torch version)")
     return load(name="hf_specdec_bf16w", sources=[str(Path(__file__).with_name("bf16w_linear.cpp"))],
-                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(directory))
+
+
+def remove_stale_lock(lock: Path, now: float | None = None) -> bool:
+    """Remove `lock` if it is older than STALE_LOCK_S (now: the time, injectable); whether it did."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    logger.warning("removing %s, left %.0f s ago by an interrupted build of the bf16-weight kernel", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @torch.library.custom_op("hf_specdec::bf16w_linear", mutates_args=())

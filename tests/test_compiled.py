@@ -4,6 +4,8 @@ backend: the same graphs, guards and recompilations as inductor, without its cod
 import importlib
 import logging
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -315,6 +317,8 @@ def test_outputs_overwritten_by_the_next_compiled_call_change_nothing(case, monk
                                                      do_sample=False))
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason=f"inductor's CPU code needs a C++ compiler: {os.environ.get('CXX', 'g++')!r} is not on PATH")
 def test_real_inductor_on_the_cpu_is_exact_and_compiles_once(monkeypatch):
     """The real inductor backend (code generation and all), as a GPU runs it minus the CUDA graphs:
     a batch drafting with prompt lookup (one compiled model; the prompts hold the continuation's

@@ -61,6 +61,15 @@ def test_frequent_tokens_are_counted_special_tokens_kept_and_cached(tmp_path, mo
     first = frequent_tokens(tokenizer, 500, cache=cache)
     assert cache.exists() and len(first) >= 500
     assert torch.equal(frequent_tokens(tokenizer, 500, cache=cache), first)
+    import json
+    import platform
+    assert json.loads(cache.read_text())["key"]["corpus"].endswith(f"python{platform.python_version()}")
+    # a Python without its standard library's sources: a clear error, not a vocabulary of a few tokens
+    empty = tmp_path / "no-sources"
+    empty.mkdir()
+    monkeypatch.setattr(draft_vocab.sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
+    with pytest.raises(ValueError, match="standard library sources .*give texts="):
+        frequent_tokens(tokenizer, 500)
 
 
 def test_bad_input_is_refused_before_the_model_changes():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hf_specdec import kernels
+from hf_specdec import kernels, weight_only
 from hf_specdec.embedded import cpu_kernels
 
 AVX2 = "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma\n"
@@ -118,8 +118,10 @@ def onednn_refuses_bf16(monkeypatch):
             raise RuntimeError(ONEDNN_BF16)
         return reorder(weight, rows)
     kernels.unavailable.cache_clear()
+    real = kernels.unrunnable()              # what this machine refuses of itself (e.g. bf16w without a compiler)
+    kernels.unavailable.cache_clear()
     monkeypatch.setattr(packed_linear, "reorder_weight", refusing)
-    yield
+    yield {**real, "bf16-packed": f"RuntimeError: {ONEDNN_BF16}"}
     kernels.unavailable.cache_clear()       # the probe's verdicts under the injection are not this CPU's
 
 
@@ -129,16 +131,17 @@ def test_a_kernel_that_cannot_run_is_probed_out_and_the_choice_and_loading_go_on
     kernel of the flag rule; asking for the refused kernel is a ValueError naming it."""
     from transformers import Qwen2Config
     from hf_specdec import embedded
+    refused = onednn_refuses_bf16         # the injected refusal and this machine's own
     assert kernels.unavailable("bf16-packed") == f"RuntimeError: {ONEDNN_BF16}"
     runs = [k for k in kernels.KERNELS if kernels.unavailable(k) is None]
-    assert runs[:4] == ["bf16", "onednn", "fp32-packed", "int8"] and "bf16-packed" not in runs
+    assert runs == [k for k in kernels.KERNELS if k not in refused]
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256)
     choice = cpu_kernels(AVX512_BF16, make_timer=lambda: kernels.ForwardTimer({"target": config, "draft": config},
                                                                                repeats=1),
                          versions=VERSIONS)
     assert "bf16-packed" not in choice.timings["target"] and choice.target_kernel != "bf16-packed"
-    assert choice.skipped == {"bf16-packed": f"RuntimeError: {ONEDNN_BF16}"} and ONEDNN_BF16 in choice.why
+    assert choice.skipped == refused and ONEDNN_BF16 in choice.why
     # the demo's loading: the chosen kernels load (SmolLM2 standing in for the pair), and a bf16
     # model loaded without kernel arguments on a CPU with bf16 units takes the flag rule's next
     model, _ = embedded.load_model("smollm2-135m-instruct", source="pypi", **choice.target)
@@ -171,7 +174,7 @@ def test_speculation_off_when_no_draft_pays():
     assert kernels.modelled_speed(kernels.measure(table_timer(dear)), "onednn", "int8", 1) == pytest.approx(plain)
 
 
-def test_the_cache_is_used_on_the_second_call_and_dropped_when_the_cpu_or_versions_change(tmp_path):
+def test_the_cache_is_used_on_the_second_call_and_dropped_when_the_cpu_or_versions_change(tmp_path, monkeypatch):
     cpuinfo, table, expected = KINDS["avx512-bf16-no-amx"]
     calls = []
     first = cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=VERSIONS, probe=runs_all)
@@ -193,6 +196,23 @@ def test_the_cache_is_used_on_the_second_call_and_dropped_when_the_cpu_or_versio
     assert calls                                                   # other versions: measured again
     (tmp_path / "cpu_kernels.json").write_text("{not json")
     assert cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table), versions=newer, probe=runs_all) == first
+    # what changes the probe's answer changes the key: an ISA limit, a compiler that comes or goes
+    for change in (lambda: monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                   lambda: monkeypatch.setattr(weight_only, "cannot_build", lambda: "no C++ compiler")):
+        change()
+        calls.clear()
+        cpu_kernels(cpuinfo, make_timer=lambda: table_timer(table, calls), versions=newer, probe=runs_all)
+        assert calls
+
+
+def test_the_probe_leaves_the_callers_random_numbers_as_they_were():
+    """A seeded sampled call draws the same numbers whether or not the kernels were probed first."""
+    kernels.unavailable.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    kernels.unavailable("onednn")
+    assert torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("kernel", kernels.ROLES["draft"])

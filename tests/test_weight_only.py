@@ -2,6 +2,11 @@
 row alone, bit for bit, at any width; a target on it speculates losslessly; int4 computes from its
 own dequantised weights; a kernel that cannot be built is probed out with its reason."""
 import copy
+import os
+import re
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +15,12 @@ from hf_specdec import kernels, weight_only
 from helpers import greedy_against_plain
 from hf_specdec.testing import build, noisy_copy, prompts
 
-pytestmark = pytest.mark.skipif(kernels.unavailable("bf16w") is not None,
-                                reason=f"bf16w cannot run here: {kernels.unavailable('bf16w')}")
+# each test that runs the kernel (the injected refusals run on any machine)
+needs_bf16w = pytest.mark.skipif(kernels.unavailable("bf16w") is not None,
+                                 reason=f"bf16w cannot run here: {kernels.unavailable('bf16w')}")
 
 
+@needs_bf16w
 @pytest.mark.parametrize("in_features, out_features", [(96, 71), (96, 64), (1536, 200)])
 def test_bf16w_computes_each_row_alone_bit_for_bit_at_any_width(in_features, out_features):
     """Every width at once (a decode step, verifications of k + 1 at batches 1 and 2, prompts of 62
@@ -35,6 +42,7 @@ def test_bf16w_computes_each_row_alone_bit_for_bit_at_any_width(in_features, out
     assert torch.equal(copy.deepcopy(layer)(x), layer(x))
 
 
+@needs_bf16w
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("prompt_len", [9, 62, 70])
 def test_a_target_on_bf16w_speculates_losslessly(batch, prompt_len):
@@ -50,6 +58,7 @@ def test_a_target_on_bf16w_speculates_losslessly(batch, prompt_len):
         assert out.spec_stats.acceptance_rate > 0.15       # (drafts accepted: verification is exercised)
 
 
+@needs_bf16w
 def test_a_target_on_bf16w_in_continuous_batching_gives_each_request_its_own_output():
     """generate_batch with two requests of 62 and 70 tokens packed into the same forwards, drafted
     by a noisy copy: each request's tokens are plain generate()'s of that request alone."""
@@ -74,6 +83,8 @@ def test_a_target_on_bf16w_in_continuous_batching_gives_each_request_its_own_out
     assert [out[f"req_{i}"].generated_tokens for i in range(2)] == alone
 
 
+@pytest.mark.skipif(kernels.unavailable("int4") is not None,
+                    reason=f"int4 cannot run here: {kernels.unavailable('int4')}")
 def test_int4_computes_from_its_dequantised_weights():
     """w = q * scale + low per group of 32 (q in 0..15), on x rounded to bf16."""
     torch.manual_seed(0)
@@ -91,21 +102,69 @@ def test_int4_computes_from_its_dequantised_weights():
     assert weight_only.use_int4_linears(model) == 1 and type(model[1]) is torch.nn.Linear
 
 
-def test_a_kernel_that_cannot_be_built_is_probed_out_with_its_reason(monkeypatch):
-    """No C++ compiler (injected): the probe names the error, the choice goes on without bf16w, and
-    asking for it is a ValueError that says why."""
-    from hf_specdec import embedded
+@pytest.mark.parametrize("missing", ["compiler", "ninja", "build"])
+def test_a_kernel_that_cannot_be_built_is_probed_out_with_its_reason(monkeypatch, tmp_path, missing):
+    """No C++ compiler on PATH, no ninja (both found before any build), or a build that fails (all
+    injected): the probe names the reason, the choice goes on without bf16w, and asking for it is a
+    ValueError that says why."""
+    from torch.utils import cpp_extension
 
-    def no_compiler():
-        raise RuntimeError("Error building extension 'hf_specdec_bf16w': c++: command not found")
+    from hf_specdec import embedded
+    if missing == "compiler":
+        monkeypatch.setenv("PATH", str(tmp_path))          # nothing on it
+        monkeypatch.delenv("CXX", raising=False)
+        reason = "no C++ compiler: 'c++' is not on PATH"
+    elif missing == "ninja":
+        monkeypatch.setenv("CXX", sys.executable)           # a compiler on PATH, as far as the check sees
+        monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+        reason = "ninja is not on PATH"
+    else:
+        def failing_build(**kwargs):
+            raise RuntimeError("Error building extension 'hf_specdec_bf16w': c++: command not found")
+        monkeypatch.setattr(weight_only, "cannot_build", lambda: None)
+        monkeypatch.setattr(cpp_extension, "load", failing_build)
+        reason = "command not found"
     kernels.unavailable.cache_clear()
-    monkeypatch.setattr(weight_only, "_extension", no_compiler)
+    weight_only._extension.cache_clear()
     try:
-        assert "command not found" in kernels.unavailable("bf16w")
-        assert "bf16w" in kernels.unrunnable() and kernels.unavailable("onednn") is None
-        with pytest.raises(ValueError, match="bf16w=True .bf16w. cannot run on this CPU.*command not found"):
+        assert reason in (kernels.unavailable("bf16w") or "")
+        assert "bf16w" in kernels.unrunnable()
+        with pytest.raises(ValueError, match="bf16w=True .bf16w. cannot run on this CPU.*" + re.escape(reason)):
             embedded.load_model("smollm2-135m-instruct", bf16w=True, source="pypi")
     finally:
         kernels.unavailable.cache_clear()         # the verdicts under the injection are not this machine's
+        weight_only._extension.cache_clear()
 
 
+def test_an_interrupted_build_s_lock_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    """torch's extension loader waits on its build lock for as long as the file exists: one older
+    than STALE_LOCK_S (an interrupted build's) is removed, with a warning; a fresh one is kept."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (1000.0, 1000.0))
+    assert not weight_only.remove_stale_lock(lock, now=1000.0 + weight_only.STALE_LOCK_S)
+    assert lock.exists()
+    assert weight_only.remove_stale_lock(lock, now=1001.0 + weight_only.STALE_LOCK_S)
+    assert not lock.exists() and "interrupted build" in caplog.text
+    assert not weight_only.remove_stale_lock(lock)
+
+
+@needs_bf16w
+def test_the_kernel_loads_past_a_stale_lock_in_its_build_directory():
+    """A lock left in the real build directory by an interrupted build: the kernel still loads (in
+    a thread, so that a wait forever fails the test instead of hanging the suite)."""
+    from torch.utils.cpp_extension import get_default_build_root
+    lock = Path(get_default_build_root()) / f"hf_specdec_bf16w-torch{torch.__version__}" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    old = lock.stat().st_mtime - 2 * weight_only.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    weight_only._extension.cache_clear()
+    loaded = []
+    thread = threading.Thread(target=lambda: loaded.append(weight_only._extension()), daemon=True)
+    thread.start()
+    thread.join(timeout=600)
+    try:
+        assert loaded and hasattr(loaded[0], "linear"), "the kernel's load waited on the stale lock"
+    finally:
+        lock.unlink(missing_ok=True)        # (lets a waiting thread go on)
