@@ -18,13 +18,22 @@ def models():
     return target, draft, calls
 
 
-def check_error(models, exc, match, drafters=None, policy="fixed:4", **kwargs):
+def check_error(models, exc, match, drafters=None, policy="fixed:4", enabled=False, **kwargs):
+    """enabled: the call through enable()'s generate() (else as a custom_generate callable, which
+    Transformers calls once it prepared the call's cache)."""
     target, draft, calls = models
     ids, mask = prompts(3, seed=0)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(exc, match=match):
-        spec(target, [draft] if drafters is None else drafters, policy,
-             **{"input_ids": ids, "attention_mask": mask, "max_new_tokens": 5, **kwargs})
+        call = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 5, **kwargs}
+        if enabled:
+            hf_specdec.enable(target)
+            try:
+                target.generate(assistant_models=[draft] if drafters is None else drafters, spec_policy=policy, **call)
+            finally:
+                hf_specdec.disable(target)
+        else:
+            spec(target, [draft] if drafters is None else drafters, policy, **call)
     assert not calls, "work started before the error"
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
     # and the model still generates normally, speculative or not
@@ -135,7 +144,8 @@ def _stateful_model():
 
 
 @pytest.mark.parametrize("setting,match", [
-    (dict(cache_implementation="offloaded"), "cache_implementation='offloaded'"),
+    # (through enable(): an offloaded cache that Transformers prepared would open a CUDA stream first)
+    (dict(cache_implementation="offloaded", enabled=True), "cache_implementation='offloaded'"),
     (dict(cache_implementation="static", cache_config={"max_cache_len": 64}), "cache_config="),
     (dict(assistant="stateful"), r"assistant_models\[0\] \(MambaForCausalLM\) has stateful"),
     (dict(cache_implementation="static", assistant="stateful"), r"assistant_models\[0\] \(MambaForCausalLM\) has stateful"),
