@@ -110,7 +110,9 @@ def _batched_loop_kwargs(model, args: tuple, kwargs: dict) -> dict:
     check_decoder_only(model)
     _check_padding(model, args, kwargs)
     config = kwargs.get("generation_config") or model.generation_config
-    check_cache_settings(*(kwargs.get(name, getattr(config, name, None)) for name in ("cache_implementation", "cache_config")))
+    implementation = kwargs.get("cache_implementation", config.cache_implementation)
+    if implementation != "hybrid":       # (generate() unsets "hybrid", a Hub default of sliding-window models)
+        check_cache_settings(implementation, kwargs.get("cache_config", getattr(config, "cache_config", None)))
     if kwargs.get("assistant_tokenizer") is not None:
         raise ValueError("assistant_tokenizer= (a draft with another tokenizer) is not supported: drafters share "
                          "the target's vocabulary")
