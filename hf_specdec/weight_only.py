@@ -32,8 +32,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 INT4_GROUP = 32        # Q4_K's sub-block: a GGUF's 4-bit weights keep their grouping
-
-
 # seconds after which a build's lock is an interrupted build's (a build takes about 30 s): torch's
 # extension loader waits on a lock for as long as it exists
 STALE_LOCK_S = 600
